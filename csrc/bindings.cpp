@@ -1,0 +1,295 @@
+// Python bindings of fastformer._C: turns tensors into the raw pointer/size/stride argument
+// structs of the kernels, allocates outputs, releases the GIL, and calls the kernel table
+// selected for the running CPU (or the CUDA launchers when built with CUDA).
+//
+// User-facing validation (ValueError/TypeError naming the argument) happens in Python
+// (fastformer/_checks.py); the TORCH_CHECKs here guard the kernels' own preconditions, which the
+// Python layer guarantees, so a failure here is a fastformer bug, not a user error.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "cpu/cpu_kernels.h"
+#ifdef FASTFORMER_WITH_CUDA
+#include "cuda/cuda_bindings.h"
+#endif
+
+namespace fastformer {
+namespace {
+
+namespace py = pybind11;
+using at::Tensor;
+using c10::optional;
+
+// ---- CPU capability selection ---------------------------------------------------------------
+enum Level { kDefault = 0, kAvx2 = 1, kAvx512 = 2 };
+const char* kLevelNames[] = {"default", "avx2", "avx512"};
+
+cpu::KernelTable make_table(Level level) {
+  cpu::KernelTable t;
+#define FF_FILL(LEVEL) \
+  do {                 \
+    FF_CPU_KERNELS(FF_FILL_ONE_##LEVEL) \
+  } while (0)
+#define FF_FILL_ONE_DEFAULT(name, Args) t.name = &cpu::DEFAULT::name;
+#define FF_FILL_ONE_AVX2(name, Args) t.name = &cpu::AVX2::name;
+#define FF_FILL_ONE_AVX512(name, Args) t.name = &cpu::AVX512::name;
+  switch (level) {
+#ifdef FF_HAVE_CAP_AVX512
+    case kAvx512: FF_FILL(AVX512); break;
+#endif
+#ifdef FF_HAVE_CAP_AVX2
+    case kAvx2: FF_FILL(AVX2); break;
+#endif
+    default: FF_FILL(DEFAULT); break;
+  }
+  return t;
+}
+
+Level max_supported_level() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+#ifdef FF_HAVE_CAP_AVX512
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return kAvx512;
+#endif
+#ifdef FF_HAVE_CAP_AVX2
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
+#endif
+#endif
+  return kDefault;
+}
+
+struct CpuState {
+  Level level = kDefault;
+  std::string note;  // why the level differs from the maximum, if it does
+  cpu::KernelTable table;
+};
+
+CpuState& cpu_state() {
+  static CpuState state = [] {
+    CpuState s;
+    s.level = max_supported_level();
+    if (const char* env = std::getenv("FASTFORMER_CPU_ARCH")) {
+      std::string want(env);
+      int idx = -1;
+      for (int i = 0; i < 3; ++i)
+        if (want == kLevelNames[i]) idx = i;
+      if (idx < 0) {
+        s.note = "FASTFORMER_CPU_ARCH=" + want + " is not one of default|avx2|avx512; ignored";
+      } else if (idx > s.level) {
+        s.note = "FASTFORMER_CPU_ARCH=" + want + " is not supported by this CPU/build; using " +
+                 kLevelNames[s.level];
+      } else {
+        s.level = static_cast<Level>(idx);
+        s.note = "capped by FASTFORMER_CPU_ARCH=" + want;
+      }
+    }
+    s.table = make_table(s.level);
+    return s;
+  }();
+  return state;
+}
+
+const cpu::KernelTable& kernels() { return cpu_state().table; }
+
+void set_cpu_capability(const std::string& name) {
+  for (int i = 0; i <= max_supported_level(); ++i) {
+    if (name == kLevelNames[i]) {
+      cpu_state().level = static_cast<Level>(i);
+      cpu_state().table = make_table(static_cast<Level>(i));
+      return;
+    }
+  }
+  TORCH_CHECK_VALUE(false, "set_cpu_capability: '", name, "' is not supported here (max '",
+                    kLevelNames[max_supported_level()], "')");
+}
+
+py::dict cpu_info() {
+  py::dict d;
+  d["capability"] = kLevelNames[cpu_state().level];
+  d["max_capability"] = kLevelNames[max_supported_level()];
+  d["note"] = cpu_state().note;
+  py::list built;
+  built.append("default");
+#ifdef FF_HAVE_CAP_AVX2
+  built.append("avx2");
+#endif
+#ifdef FF_HAVE_CAP_AVX512
+  built.append("avx512");
+#endif
+  d["built"] = built;
+#ifdef FASTFORMER_WITH_CUDA
+  d["cuda"] = true;
+#else
+  d["cuda"] = false;
+#endif
+  return d;
+}
+
+// ---- tensor -> kernel argument helpers ------------------------------------------------------
+DType to_dtype(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::f32;
+    case at::kDouble: return DType::f64;
+    case at::kBFloat16: return DType::bf16;
+    case at::kHalf: return DType::f16;
+    default: TORCH_CHECK(false, "fastformer._C: unsupported dtype ", t.scalar_type());
+  }
+}
+
+// Rows of a tensor viewed as (rows, last_dim): coalesce leading dims where possible.
+cpu::RowLayout row_layout(const Tensor& t) {
+  TORCH_CHECK(t.dim() >= 1 && (t.stride(-1) == 1 || t.size(-1) <= 1 || t.numel() == 0),
+              "fastformer._C: last dimension must be contiguous");
+  cpu::RowLayout layout;
+  int64_t sizes[64], strides[64];
+  int n = 0;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    if (t.size(d) == 1) continue;  // size-1 dims never move the pointer
+    if (n > 0 && strides[n - 1] == t.stride(d) * t.size(d)) {
+      sizes[n - 1] *= t.size(d);
+      strides[n - 1] = t.stride(d);
+    } else {
+      sizes[n] = t.size(d);
+      strides[n] = t.stride(d);
+      ++n;
+    }
+  }
+  if (n == 0) {
+    layout.ndim = 1;
+    layout.sizes[0] = 1;
+    layout.strides[0] = 0;
+    return layout;
+  }
+  TORCH_CHECK(n <= cpu::kMaxDims, "fastformer._C: too many non-mergeable leading dims");
+  layout.ndim = n;
+  for (int i = 0; i < n; ++i) {
+    layout.sizes[i] = sizes[i];
+    layout.strides[i] = strides[i];
+  }
+  return layout;
+}
+
+const void* ptr_or_null(const optional<Tensor>& t) {
+  return t.has_value() && t->defined() ? t->data_ptr() : nullptr;
+}
+
+at::ScalarType stats_dtype(const Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// ---- add + norm -----------------------------------------------------------------------------
+std::vector<Tensor> add_norm_fwd(const Tensor& x, const optional<Tensor>& residual,
+                                 const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                 double eps, bool rms, bool return_residual) {
+#ifdef FASTFORMER_WITH_CUDA
+  if (x.is_cuda()) return cuda::add_norm_fwd(x, residual, weight, bias, eps, rms, return_residual);
+#endif
+  TORCH_CHECK(x.device().is_cpu(), "fastformer._C.add_norm_fwd: expected CPU tensors");
+  const int64_t hidden = x.size(-1);
+  const int64_t rows = hidden == 0 ? 0 : x.numel() / hidden;
+  const bool has_res = residual.has_value() && residual->defined();
+  Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  Tensor res_out = (return_residual && has_res) ? at::empty_like(y) : at::empty({0}, x.options());
+  auto stat_opts = x.options().dtype(stats_dtype(x));
+  Tensor mean = rms ? at::empty({0}, stat_opts) : at::empty({rows}, stat_opts);
+  Tensor rstd = at::empty({rows}, stat_opts);
+
+  cpu::NormFwdArgs a;
+  a.dtype = to_dtype(x);
+  a.param_dtype = weight.has_value() ? to_dtype(*weight) : (bias.has_value() ? to_dtype(*bias) : a.dtype);
+  a.rows = rows;
+  a.hidden = hidden;
+  a.eps = eps;
+  a.rms = rms;
+  a.x = x.data_ptr();
+  a.x_rows = row_layout(x);
+  if (has_res) {
+    a.residual = residual->data_ptr();
+    a.residual_rows = row_layout(*residual);
+  }
+  a.weight = ptr_or_null(weight);
+  a.bias = ptr_or_null(bias);
+  a.y = y.data_ptr();
+  a.residual_out = res_out.numel() ? res_out.data_ptr() : nullptr;
+  a.mean = rms ? nullptr : mean.data_ptr();
+  a.rstd = rstd.data_ptr();
+  if (rows > 0) {
+    py::gil_scoped_release no_gil;
+    kernels().add_norm_fwd(a);
+  }
+  return {y, res_out, mean, rstd};
+}
+
+std::vector<Tensor> add_norm_bwd(const Tensor& dy, const optional<Tensor>& dresidual_out,
+                                 const Tensor& z_a, const optional<Tensor>& z_b,
+                                 const optional<Tensor>& weight, const Tensor& mean,
+                                 const Tensor& rstd, bool rms, bool need_dweight, bool need_dbias,
+                                 int64_t param_dtype_code) {
+#ifdef FASTFORMER_WITH_CUDA
+  if (dy.is_cuda())
+    return cuda::add_norm_bwd(dy, dresidual_out, z_a, z_b, weight, mean, rstd, rms, need_dweight,
+                              need_dbias, param_dtype_code);
+#endif
+  TORCH_CHECK(dy.device().is_cpu(), "fastformer._C.add_norm_bwd: expected CPU tensors");
+  const int64_t hidden = z_a.size(-1);
+  const int64_t rows = hidden == 0 ? 0 : z_a.numel() / hidden;
+  const DType param_dtype = static_cast<DType>(param_dtype_code);
+  const at::ScalarType param_st = param_dtype == DType::f32   ? at::kFloat
+                                  : param_dtype == DType::f64 ? at::kDouble
+                                  : param_dtype == DType::bf16 ? at::kBFloat16
+                                                               : at::kHalf;
+  Tensor dz = at::empty(z_a.sizes(), z_a.options().memory_format(at::MemoryFormat::Contiguous));
+  auto p_opts = z_a.options().dtype(param_st);
+  Tensor dweight = need_dweight ? at::empty({hidden}, p_opts) : at::empty({0}, p_opts);
+  Tensor dbias = need_dbias ? at::empty({hidden}, p_opts) : at::empty({0}, p_opts);
+
+  cpu::NormBwdArgs a;
+  a.dtype = to_dtype(z_a);
+  a.param_dtype = param_dtype;
+  a.rows = rows;
+  a.hidden = hidden;
+  a.rms = rms;
+  a.dy = dy.data_ptr();
+  a.dy_rows = row_layout(dy);
+  if (dresidual_out.has_value() && dresidual_out->defined()) {
+    a.dresidual_out = dresidual_out->data_ptr();
+    a.dresidual_out_rows = row_layout(*dresidual_out);
+  }
+  a.z_a = z_a.data_ptr();
+  a.z_a_rows = row_layout(z_a);
+  if (z_b.has_value() && z_b->defined()) {
+    a.z_b = z_b->data_ptr();
+    a.z_b_rows = row_layout(*z_b);
+  }
+  a.weight = ptr_or_null(weight);
+  a.mean = rms ? nullptr : mean.data_ptr();
+  a.rstd = rstd.data_ptr();
+  a.dz = dz.data_ptr();
+  a.dweight = need_dweight ? dweight.data_ptr() : nullptr;
+  a.dbias = need_dbias ? dbias.data_ptr() : nullptr;
+  {
+    py::gil_scoped_release no_gil;
+    kernels().add_norm_bwd(a);
+  }
+  return {dz, dweight, dbias};
+}
+
+}  // namespace
+}  // namespace fastformer
+
+PYBIND11_MODULE(_C, m) {
+  using namespace fastformer;
+  m.doc() = "fastformer compiled kernels (CPU; CUDA when built with it)";
+  m.def("cpu_info", &cpu_info, "CPU capability levels built, selected and supported");
+  m.def("set_cpu_capability", &set_cpu_capability, "Select default|avx2|avx512 kernels (tests)");
+  m.def("add_norm_fwd", &add_norm_fwd);
+  m.def("add_norm_bwd", &add_norm_bwd);
+}

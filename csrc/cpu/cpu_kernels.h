@@ -1,0 +1,91 @@
+// The interface between the bindings (csrc/bindings.cpp, which sees torch tensors) and the CPU
+// kernels (csrc/cpu/*.cpp, which see raw pointers, sizes and strides only).
+//
+// Every kernel file is compiled once per CPU capability level (DEFAULT, AVX2, AVX512; see
+// setup.py) into namespace fastformer::cpu::<LEVEL>. The bindings pick one table of function
+// pointers at import time from what the running CPU supports.
+#pragma once
+#include <stdint.h>
+
+#include "common/ff_common.h"
+
+namespace fastformer::cpu {
+
+constexpr int kMaxDims = 8;
+
+// Addresses row r of a tensor whose last dimension is contiguous and whose leading dimensions
+// have arbitrary strides (transposed views, slices). Dimensions are coalesced by the bindings,
+// so the common contiguous case has ndim == 1 and costs one multiply.
+struct RowLayout {
+  int32_t ndim = 1;
+  int64_t sizes[kMaxDims] = {0};
+  int64_t strides[kMaxDims] = {0};
+
+  inline int64_t offset(int64_t row) const {
+    if (ndim == 1) return row * strides[0];
+    int64_t off = 0;
+    for (int32_t d = ndim - 1; d >= 0; --d) {
+      const int64_t idx = row % sizes[d];
+      row /= sizes[d];
+      off += idx * strides[d];
+    }
+    return off;
+  }
+};
+
+// ---- add + norm ---------------------------------------------------------------------------
+struct NormFwdArgs {
+  DType dtype;                 // x, residual, y, residual_out
+  DType param_dtype;           // weight, bias (== dtype, or f32)
+  int64_t rows = 0, hidden = 0;
+  double eps = 1e-5;
+  bool rms = false;            // RMSNorm (no mean subtraction, no bias)
+  const void* x = nullptr;     RowLayout x_rows;
+  const void* residual = nullptr; RowLayout residual_rows;  // optional
+  const void* weight = nullptr;   // optional (hidden,)
+  const void* bias = nullptr;     // optional (hidden,)
+  void* y = nullptr;              // contiguous (rows, hidden)
+  void* residual_out = nullptr;   // optional, contiguous: x + residual rounded to dtype
+  void* mean = nullptr;           // (rows,) f32 (f64 when dtype is f64); unused for RMSNorm
+  void* rstd = nullptr;           // (rows,) same type as mean
+};
+
+struct NormBwdArgs {
+  DType dtype;
+  DType param_dtype;
+  int64_t rows = 0, hidden = 0;
+  bool rms = false;
+  const void* dy = nullptr;    RowLayout dy_rows;
+  const void* dresidual_out = nullptr; RowLayout dresidual_out_rows;  // optional
+  const void* z_a = nullptr;   RowLayout z_a_rows;   // z = z_a (+ z_b, rounded to dtype)
+  const void* z_b = nullptr;   RowLayout z_b_rows;   // optional
+  const void* weight = nullptr;                       // optional
+  const void* mean = nullptr;  const void* rstd = nullptr;
+  void* dz = nullptr;          // contiguous (rows, hidden), dtype
+  void* dweight = nullptr;     // optional (hidden,) param_dtype
+  void* dbias = nullptr;       // optional (hidden,) param_dtype
+};
+
+// X-macro list of kernels: X(name, ArgsType). Add a kernel here and in one .cpp file.
+#define FF_CPU_KERNELS(X)          \
+  X(add_norm_fwd, NormFwdArgs)     \
+  X(add_norm_bwd, NormBwdArgs)
+
+#define FF_DECLARE_KERNEL(name, Args) void name(const Args& args);
+#define FF_DECLARE_LEVEL(LEVEL) \
+  namespace LEVEL {             \
+  FF_CPU_KERNELS(FF_DECLARE_KERNEL) \
+  }
+FF_DECLARE_LEVEL(DEFAULT)
+FF_DECLARE_LEVEL(AVX2)
+FF_DECLARE_LEVEL(AVX512)
+#undef FF_DECLARE_LEVEL
+#undef FF_DECLARE_KERNEL
+
+struct KernelTable {
+#define FF_TABLE_ENTRY(name, Args) void (*name)(const Args&) = nullptr;
+  FF_CPU_KERNELS(FF_TABLE_ENTRY)
+#undef FF_TABLE_ENTRY
+};
+
+}  // namespace fastformer::cpu

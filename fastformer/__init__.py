@@ -1,0 +1,17 @@
+"""fastformer: fused Transformer kernels (attention, add+norm, FFN) with CPU, CUDA, Triton and
+reference backends behind one API. See README.md and ``fastformer.info()``.
+
+Importing fastformer does no GPU work and does not import triton.
+"""
+__version__ = "0.1.0"
+
+from . import backends  # noqa: E402
+from ._info import info  # noqa: E402
+from .backends import available_backends, last_dispatch, use_backend  # noqa: E402
+from .modules.norm import LayerNorm, RMSNorm  # noqa: E402
+from .ops.norm import add_layer_norm, layer_norm, rms_norm  # noqa: E402
+
+__all__ = [
+    "__version__", "backends", "info", "available_backends", "last_dispatch", "use_backend",
+    "add_layer_norm", "layer_norm", "rms_norm", "LayerNorm", "RMSNorm",
+]

@@ -1,0 +1,35 @@
+"""Loads the optional compiled extension ``fastformer._C``.
+
+``import fastformer`` must work without it (pure-Python install, a failed build, a torch ABI
+mismatch): the reference and Triton backends still run and ``fastformer.info()`` says why the
+extension is missing. Loading it does no GPU work.
+"""
+from __future__ import annotations
+
+import torch  # noqa: F401  (the extension links against torch's libraries)
+
+C = None
+LOAD_ERROR: str | None = None
+try:
+    from . import _C as C  # type: ignore[attr-defined,no-redef]
+except Exception as exc:  # ImportError, OSError (undefined symbol), ...
+    C = None
+    LOAD_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+CUDA_BUILT = bool(C.cpu_info()["cuda"]) if C is not None else False
+
+
+def cpu_info() -> dict:
+    if C is None:
+        return {"capability": None, "built": [], "max_capability": None, "note": LOAD_ERROR,
+                "cuda": False}
+    return dict(C.cpu_info())
+
+
+def has_cpu_kernels() -> bool:
+    return C is not None
+
+
+def has_cuda_kernels() -> bool:
+    return CUDA_BUILT

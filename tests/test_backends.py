@@ -1,0 +1,138 @@
+"""Backend declarations, selection, forcing, fallback reasons, info() and import hygiene."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastformer as ff
+from fastformer import backends
+
+
+def test_use_backend_rejects_unknown_names():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with ff.use_backend("fast"):
+            pass
+
+
+def test_env_var_forces_backend(monkeypatch):
+    x = torch.randn(4, 32)
+    monkeypatch.setenv("FASTFORMER_BACKEND", "reference")
+    backends.reload_env()
+    ff.layer_norm(x, None, None)
+    assert ff.last_dispatch().backend == "reference" and ff.last_dispatch().forced
+    with ff.use_backend("cpu"):  # the context manager wins over the env var
+        ff.layer_norm(x, None, None)
+    assert ff.last_dispatch().backend == "cpu"
+    monkeypatch.setenv("FASTFORMER_BACKEND", "nonsense")
+    backends.reload_env()
+    try:
+        with pytest.raises(ValueError, match="backend must be one of"):
+            ff.layer_norm(x, None, None)
+    finally:
+        monkeypatch.delenv("FASTFORMER_BACKEND")
+        backends.reload_env()
+
+
+def test_forcing_a_backend_that_cannot_run_raises_with_reasons():
+    x = torch.randn(4, 32)
+    with ff.use_backend("cuda"), pytest.raises(ValueError, match="backend 'cuda' cannot run"):
+        ff.layer_norm(x, None, None)
+
+
+def test_forcing_triton_on_cpu_without_interpreter_says_how(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(4, 32)
+    with ff.use_backend("triton"), pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        ff.layer_norm(x, None, None)
+
+
+def test_auto_falls_back_and_explains():
+    x = torch.randn(32, 8).t()  # normalized dim strided: only the reference takes it
+    y = ff.layer_norm(x, None, None)
+    d = ff.last_dispatch()
+    assert d.backend == "reference" and not d.forced
+    assert "last_dim_strided" in "; ".join(d.rejected["cpu"])
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (32,)))
+
+
+def test_explain_lists_every_backend():
+    call = backends.Call("add_norm", "cpu", torch.float32, frozenset(), hidden=64)
+    text = backends.explain(call)
+    for name in backends.BACKENDS:
+        assert text.count(f"{name}:") == 1
+    assert "cpu: ok" in text
+
+
+def test_backward_uses_the_forward_backend_outside_the_block():
+    x = torch.randn(8, 64, requires_grad=True)
+    with ff.use_backend("reference"):
+        y = ff.layer_norm(x, None, None)
+    ff.layer_norm(torch.randn(2, 4), None, None)  # an auto call in between
+    calls = []
+    ref_impl = backends.get("reference").impls["add_norm"]
+    original = ref_impl.bwd
+    ref_impl.bwd = staticmethod(lambda *a: calls.append(1) or original(*a))
+    try:
+        y.sum().backward()
+    finally:
+        ref_impl.bwd = original
+    assert calls == [1]
+    d = ff.last_dispatch()
+    assert d.backend == "reference" and d.forced
+
+
+def test_declarations_match_implementations():
+    for op in ("add_norm",):
+        for name, support in backends.declared(op).items():
+            assert op in backends.get(name).impls, f"{name} declares {op} but has no implementation"
+            assert support.dtypes, f"{name}.{op} declares no dtypes"
+
+
+def test_available_backends_and_info():
+    avail = ff.available_backends()
+    assert "reference" in avail and "cpu" in avail
+    info = ff.info()
+    for key in ("fastformer", "torch", "triton", "_C", "backends", "cpu"):
+        assert key in info
+    assert info["_C"] == "loaded"
+    assert info["cpu"]["kernels"] in ("default", "avx2", "avx512")
+    assert "cpu" in str(info)
+
+
+def _run_python(code: str, **env) -> str:
+    full_env = dict(os.environ, **env)
+    full_env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_import_does_not_import_triton_or_touch_cuda():
+    out = _run_python("import sys, fastformer; print('triton' in sys.modules, "
+                      "__import__('torch').cuda.is_initialized())")
+    assert out == "False False"
+
+
+def test_import_works_without_the_extension():
+    code = ("import sys; sys.modules['fastformer._C'] = None\n"
+            "import torch, fastformer as ff\n"
+            "x = torch.randn(3, 16)\n"
+            "y = ff.layer_norm(x, None, None)\n"
+            "print(ff.last_dispatch().backend, '|', ff.info()['_C'])")
+    out = _run_python(code)
+    backend, why = out.split(" | ")
+    assert backend == "reference"
+    assert why.startswith("missing:")
+
+
+def test_cpu_arch_override_env():
+    out = _run_python("import fastformer as ff; i = ff.info()['cpu']; print(i['kernels'], '|', i['note'])",
+                      FASTFORMER_CPU_ARCH="default")
+    level, note = out.split(" | ")
+    assert level == "default" and "FASTFORMER_CPU_ARCH" in note
+    out = _run_python("import fastformer as ff; print(ff.info()['cpu']['note'])",
+                      FASTFORMER_CPU_ARCH="sse9")
+    assert "ignored" in out

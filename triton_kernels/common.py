@@ -1,0 +1,19 @@
+"""Small @triton.jit helpers shared by the kernels (written once, used everywhere)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def cast_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """x (fp32) cast to DTYPE with round-to-nearest-even.
+
+    GPUs round when converting fp32 -> bf16; Triton 3.9's interpreter truncates instead, which
+    doubles the output error of every bf16 kernel it tests. Under the interpreter only, round
+    the fp32 bits to bf16 precision first (RNE; NaN and inf are preserved), so the tests see
+    the rounding the GPU does.
+    """
+    if INTERPRET and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(DTYPE)
