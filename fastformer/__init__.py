@@ -9,9 +9,12 @@ from . import backends  # noqa: E402
 from ._info import info  # noqa: E402
 from .backends import available_backends, last_dispatch, use_backend  # noqa: E402
 from .modules.norm import LayerNorm, RMSNorm  # noqa: E402
+from .ops.attention import attention  # noqa: E402
 from .ops.norm import add_layer_norm, layer_norm, rms_norm  # noqa: E402
+from .ops.sdpa import SDPAError, patch_sdpa, scaled_dot_product_attention  # noqa: E402
 
 __all__ = [
     "__version__", "backends", "info", "available_backends", "last_dispatch", "use_backend",
     "add_layer_norm", "layer_norm", "rms_norm", "LayerNorm", "RMSNorm",
+    "attention", "scaled_dot_product_attention", "patch_sdpa", "SDPAError",
 ]

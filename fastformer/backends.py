@@ -150,8 +150,10 @@ def _cuda_availability() -> Optional[str]:
 _NORM_FEATURES = frozenset({"residual", "weight", "bias", "rms", "return_residual"})
 
 
-def _cpu_norm_veto(call: Call) -> Optional[str]:
-    return None
+_ATTN_FEATURES = frozenset({"causal_top_left", "causal_bottom_right", "key_padding_mask",
+                            "attn_mask_bool", "attn_mask_float", "dropout", "gqa"})
+_ATTN_CUDA_FEATURES = frozenset({"causal_top_left", "causal_bottom_right", "key_padding_mask",
+                                 "gqa"})
 
 
 _REGISTRY = {
@@ -159,22 +161,28 @@ _REGISTRY = {
         "cuda", lambda: frozenset({"cuda"}), _cuda_availability,
         ops={
             "add_norm": OpSupport(frozenset({F16, BF16, F32}), _NORM_FEATURES, max_hidden=None),
+            # fp32, other head dims, masks and dropout fall back to triton
+            "attention": OpSupport(frozenset({F16, BF16}), _ATTN_CUDA_FEATURES,
+                                   head_dim_set=frozenset({64, 128})),
         }),
     "triton": Backend(
         "triton", _triton_devices, _triton_availability,
         ops={
             "add_norm": OpSupport(frozenset({F16, BF16, F32}), _NORM_FEATURES, max_hidden=16384),
+            "attention": OpSupport(frozenset({F16, BF16, F32}), _ATTN_FEATURES, head_dims=(16, 256)),
         }),
     "cpu": Backend(
         "cpu", lambda: frozenset({"cpu"}), _cpu_availability,
         ops={
-            "add_norm": OpSupport(_ALL_FLOAT, _NORM_FEATURES | {"rows_strided"},
-                                  auto_veto=_cpu_norm_veto),
+            "add_norm": OpSupport(_ALL_FLOAT, _NORM_FEATURES | {"rows_strided"}),
+            "attention": OpSupport(_ALL_FLOAT, _ATTN_FEATURES, head_dims=(1, 256)),
         }),
     "reference": Backend(
         "reference", lambda: frozenset({"cpu", "cuda", "mps", "xpu", "meta"}), lambda: None,
         ops={
             "add_norm": OpSupport(_ALL_FLOAT, _NORM_FEATURES | {"rows_strided", "last_dim_strided"}),
+            "attention": OpSupport(_ALL_FLOAT, _ATTN_FEATURES | {"v_head_dim_differs",
+                                                                "last_dim_strided"}),
         }),
 }
 

@@ -1,0 +1,47 @@
+// Online softmax (Milakov & Gimelshein; FlashAttention): the per-row state of a flash attention
+// kernel, updated one block of keys at a time, shared by the CPU and CUDA kernels.
+//
+// State per query row after the blocks seen so far: row_max m, row_sum l = sum_j exp(s_j - m),
+// and the output accumulator acc = sum_j exp(s_j - m) v_j. For a new block with maximum
+// block_max:
+//   m' = max(m, block_max)          alpha = exp(m - m')       (0 when m = -inf)
+//   l' = alpha * l + sum_block exp(s_j - m')   acc' = alpha * acc + sum_block exp(s_j - m') v_j
+// At the end: out = acc / l, lse = m + log(l). A row that saw only -inf scores (every key
+// masked) keeps m = -inf and l = 0: out = 0 and lse = +inf, so the backward's
+// P = exp(s - lse) is exactly 0 for it (no NaN anywhere).
+//
+// Scores are in natural-log units (scale already applied); CUDA kernels may use exp2 with
+// log2(e) folded into the scale, in which case they convert m to natural units for the lse.
+#pragma once
+#include <math.h>
+
+#include "ff_common.h"
+
+namespace fastformer {
+
+// The value subtracted from scores before exponentiation: m' itself, or 0 while the row has
+// seen only -inf (so exp(-inf - 0) = 0 instead of exp(-inf - -inf) = NaN).
+template <typename T>
+FF_HOST_DEVICE T softmax_shift(T row_max) {
+  return row_max == -INFINITY ? T(0) : row_max;
+}
+
+// alpha = exp(m_old - m_new): the factor that rescales the running sum and accumulator.
+template <typename T>
+FF_HOST_DEVICE T online_softmax_alpha(T m_old, T m_new) {
+  return m_old == -INFINITY ? T(0) : static_cast<T>(exp(m_old - m_new));
+}
+
+// 1 / l for the final normalization, 0 for rows with no allowed key.
+template <typename T>
+FF_HOST_DEVICE T softmax_inv_sum(T row_sum) {
+  return row_sum > T(0) ? T(1) / row_sum : T(0);
+}
+
+// lse = m + log(l) (natural log), +inf for rows with no allowed key.
+template <typename T>
+FF_HOST_DEVICE T softmax_lse(T row_max, T row_sum) {
+  return row_sum > T(0) ? row_max + static_cast<T>(log(row_sum)) : static_cast<T>(INFINITY);
+}
+
+}  // namespace fastformer
