@@ -34,7 +34,11 @@ done
 PYTHON=${PYTHON:-python}
 torch_inc=$("$PYTHON" -c "import torch, os; print(os.path.join(os.path.dirname(torch.__file__), 'include'))")
 py_inc=$("$PYTHON" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-cuda_inc=$(dirname "$(command -v "$NVCC")")/../include
+cuda_inc=""
+for cand in "${CUDA_HOME:-}/include" /usr/local/cuda/include "$(dirname "$(command -v "$NVCC")")/../include"; do
+  if [ -f "$cand/cuda_runtime.h" ]; then cuda_inc=$cand; break; fi
+done
+if [ -z "$cuda_inc" ]; then echo "FAIL: cuda_runtime.h not found (set CUDA_HOME)"; exit 1; fi
 mkdir -p "$out/stub/c10/cuda/impl"
 echo "#define C10_CUDA_BUILD_SHARED_LIBS" > "$out/stub/c10/cuda/impl/cuda_cmake_macros.h"
 if c++ -fsyntax-only csrc/bindings.cpp -std=c++20 -fopenmp -Wno-unknown-pragmas -I csrc \
