@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <limits>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdlib>
@@ -282,6 +283,100 @@ std::vector<Tensor> add_norm_bwd(const Tensor& dy, const optional<Tensor>& dresi
   return {dz, dweight, dbias};
 }
 
+// ---- attention --------------------------------------------------------------------------------
+cpu::View4 view4(const Tensor& t) {
+  TORCH_CHECK(t.dim() == 4, "fastformer._C: expected a 4-D tensor");
+  cpu::View4 v;
+  v.ptr = t.data_ptr();
+  for (int i = 0; i < 4; ++i) v.s[i] = t.stride(i);
+  return v;
+}
+
+cpu::AttnArgs attn_args(const Tensor& q, const Tensor& k, const Tensor& v,
+                        const optional<Tensor>& attn_mask, const optional<Tensor>& key_padding_mask,
+                        int64_t causal, double scale, double dropout_p, int64_t seed, int64_t offset) {
+  for (const Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->size(3) <= 1 || t->stride(3) == 1, "fastformer._C: last dim must be contiguous");
+  cpu::AttnArgs a;
+  a.dtype = to_dtype(q);
+  a.B = q.size(0); a.H = q.size(1); a.Lq = q.size(2); a.D = q.size(3);
+  a.Hkv = k.size(1); a.Lk = k.size(2); a.Dv = v.size(3);
+  a.q = view4(q); a.k = view4(k); a.v = view4(v);
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    a.attn_mask = view4(*attn_mask);
+    a.mask_is_bool = attn_mask->scalar_type() == at::kBool;
+    if (!a.mask_is_bool) a.mask_dtype = to_dtype(*attn_mask);
+  }
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    a.key_padding_mask = key_padding_mask->data_ptr<bool>();
+    a.kpm_s[0] = key_padding_mask->stride(0);
+    a.kpm_s[1] = key_padding_mask->stride(1);
+  }
+  a.causal = static_cast<int32_t>(causal);
+  a.scale = scale;
+  a.dropout_p = dropout_p;
+  a.seed = static_cast<uint64_t>(seed);
+  a.offset = static_cast<uint64_t>(offset);
+  return a;
+}
+
+std::vector<Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const optional<Tensor>& attn_mask,
+                                  const optional<Tensor>& key_padding_mask, int64_t causal,
+                                  double scale, double dropout_p, int64_t seed, int64_t offset) {
+#ifdef FASTFORMER_WITH_CUDA
+  if (q.is_cuda())
+    return cuda::attention_fwd(q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p,
+                               seed, offset);
+#endif
+  TORCH_CHECK(q.device().is_cpu(), "fastformer._C.attention_fwd: expected CPU tensors");
+  cpu::AttnArgs a = attn_args(q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p,
+                              seed, offset);
+  // (B, H, Lq, Dv) stored as (B, Lq, H, Dv): the head merge that follows is a free reshape.
+  Tensor out = at::empty({a.B, a.Lq, a.H, a.Dv}, q.options()).transpose(1, 2);
+  Tensor lse = at::empty({a.B, a.H, a.Lq}, q.options().dtype(stats_dtype(q)));
+  a.out = view4(out);
+  a.lse = lse.data_ptr();
+  if (out.numel() > 0 || lse.numel() > 0) {
+    if (a.Lk == 0) {
+      out.zero_();
+      lse.fill_(std::numeric_limits<double>::infinity());
+    } else {
+      py::gil_scoped_release no_gil;
+      kernels().attention_fwd(a);
+    }
+  }
+  return {out, lse};
+}
+
+std::vector<Tensor> attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& out, const Tensor& lse,
+                                  const optional<Tensor>& attn_mask,
+                                  const optional<Tensor>& key_padding_mask, int64_t causal,
+                                  double scale, double dropout_p, int64_t seed, int64_t offset) {
+#ifdef FASTFORMER_WITH_CUDA
+  if (q.is_cuda())
+    return cuda::attention_bwd(dout, q, k, v, out, lse, attn_mask, key_padding_mask, causal, scale,
+                               dropout_p, seed, offset);
+#endif
+  TORCH_CHECK(q.device().is_cpu(), "fastformer._C.attention_bwd: expected CPU tensors");
+  TORCH_CHECK(dout.size(3) <= 1 || dout.stride(3) == 1, "fastformer._C: dout last dim must be contiguous");
+  cpu::AttnArgs a = attn_args(q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p,
+                              seed, offset);
+  Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  a.out = view4(out);
+  a.lse = const_cast<void*>(lse.data_ptr());
+  a.dout = view4(dout);
+  a.dq = view4(dq); a.dk = view4(dk); a.dv = view4(dv);
+  if (a.Lq == 0 || a.Lk == 0) {
+    dq.zero_(); dk.zero_(); dv.zero_();
+  } else if (q.numel() + k.numel() > 0) {
+    py::gil_scoped_release no_gil;
+    kernels().attention_bwd(a);
+  }
+  return {dq, dk, dv};
+}
+
 }  // namespace
 }  // namespace fastformer
 
@@ -292,4 +387,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_cpu_capability", &set_cpu_capability, "Select default|avx2|avx512 kernels (tests)");
   m.def("add_norm_fwd", &add_norm_fwd);
   m.def("add_norm_bwd", &add_norm_bwd);
+  m.def("attention_fwd", &attention_fwd);
+  m.def("attention_bwd", &attention_bwd);
 }

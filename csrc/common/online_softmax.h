@@ -11,7 +11,8 @@
 // P = exp(s - lse) is exactly 0 for it (no NaN anywhere).
 //
 // Scores are in natural-log units (scale already applied); CUDA kernels may use exp2 with
-// log2(e) folded into the scale, in which case they convert m to natural units for the lse.
+// log2(e) folded into the scale (the *_log2 helpers below: scores, m and the shift are then in
+// log2 units, p = exp2(s - shift)), in which case they convert m to natural units for the lse.
 #pragma once
 #include <math.h>
 
@@ -42,6 +43,24 @@ FF_HOST_DEVICE T softmax_inv_sum(T row_sum) {
 template <typename T>
 FF_HOST_DEVICE T softmax_lse(T row_max, T row_sum) {
   return row_sum > T(0) ? row_max + static_cast<T>(log(row_sum)) : static_cast<T>(INFINITY);
+}
+
+// ---- log2 domain: s2 = s * log2(e), so exp(s - m) = exp2(s2 - m2) ----------------------------
+constexpr double kLog2e = 1.4426950408889634;  // log2(e): multiply natural-log scores by it
+constexpr double kLn2 = 0.6931471805599453;    // ln(2): back to natural-log units
+
+// online_softmax_alpha with every quantity in log2 units: exp2(m_old - m_new), 0 when m_old = -inf.
+template <typename T>
+FF_HOST_DEVICE T online_softmax_alpha_log2(T m_old, T m_new) {
+  return m_old == -INFINITY ? T(0) : static_cast<T>(exp2(m_old - m_new));
+}
+
+// softmax_lse from a row maximum in log2 units: the natural-log lse = m2 * ln(2) + log(l),
+// +inf for rows with no allowed key.
+template <typename T>
+FF_HOST_DEVICE T softmax_lse_log2(T row_max_log2, T row_sum) {
+  return row_sum > T(0) ? row_max_log2 * T(kLn2) + static_cast<T>(log(row_sum))
+                        : static_cast<T>(INFINITY);
 }
 
 }  // namespace fastformer

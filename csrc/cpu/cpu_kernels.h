@@ -66,10 +66,40 @@ struct NormBwdArgs {
   void* dbias = nullptr;       // optional (hidden,) param_dtype
 };
 
+// ---- attention ----------------------------------------------------------------------------
+// A 4-D tensor view: element (b, h, l, d) at ptr + b*s[0] + h*s[1] + l*s[2] + d*s[3].
+struct View4 {
+  const void* ptr = nullptr;
+  int64_t s[4] = {0, 0, 0, 0};
+};
+
+struct AttnArgs {
+  DType dtype;                       // q, k, v, out, dout, dq, dk, dv
+  int64_t B = 0, H = 0, Hkv = 0, Lq = 0, Lk = 0, D = 0, Dv = 0;
+  View4 q, k, v;                     // (B, H, Lq, D), (B, Hkv, Lk, D), (B, Hkv, Lk, Dv); d stride 1
+  View4 attn_mask;                   // (B, H, Lq, Lk) broadcast view, or ptr == nullptr
+  bool mask_is_bool = false;         // bool: true = attend; else float added to the scores
+  DType mask_dtype = DType::f32;     // dtype of a float mask
+  const bool* key_padding_mask = nullptr;  // (B, Lk), true = padding
+  int64_t kpm_s[2] = {0, 0};
+  int32_t causal = 0;                // 0 none, 1 top-left (j <= i), 2 bottom-right (j <= i + Lk - Lq)
+  double scale = 1.0;
+  double dropout_p = 0.0;
+  uint64_t seed = 0, offset = 0;
+  // forward outputs / backward inputs
+  View4 out;                         // (B, H, Lq, Dv)
+  void* lse = nullptr;               // (B, H, Lq) contiguous, f32 (f64 for f64 inputs)
+  // backward only
+  View4 dout;                        // (B, H, Lq, Dv)
+  View4 dq, dk, dv;                  // outputs, same shapes as q, k, v
+};
+
 // X-macro list of kernels: X(name, ArgsType). Add a kernel here and in one .cpp file.
 #define FF_CPU_KERNELS(X)          \
   X(add_norm_fwd, NormFwdArgs)     \
-  X(add_norm_bwd, NormBwdArgs)
+  X(add_norm_bwd, NormBwdArgs)     \
+  X(attention_fwd, AttnArgs)       \
+  X(attention_bwd, AttnArgs)
 
 #define FF_DECLARE_KERNEL(name, Args) void name(const Args& args);
 #define FF_DECLARE_LEVEL(LEVEL) \

@@ -1,6 +1,25 @@
 // Torch-side glue for the CUDA launchers, included by csrc/bindings.cpp only when built with
 // CUDA (FASTFORMER_WITH_CUDA). Allocates outputs, reads strides, passes the current stream.
 // The Python layer guarantees the preconditions checked here (uniform row strides, dtypes).
+//
+// Entry points (namespace fastformer::cuda):
+//   add_norm_fwd / add_norm_bwd                                  see csrc/bindings.cpp
+//   attention_fwd(q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p, seed, offset)
+//       -> {out (B, H, Lq, D) stored as (B, Lq, H, D), lse (B, H, Lq) fp32}
+//   attention_bwd(dout, q, k, v, out, lse, attn_mask, key_padding_mask, causal, scale,
+//                 dropout_p, seed, offset) -> {dq, dk, dv} (empty_like(q), (k), (v))
+//       fp16/bf16, head dim 64 or 128, no attn_mask, no dropout (backends.py sends those to
+//       triton); q, k, v, dout, out: 4-D, last dim contiguous, any other strides.
+//   ffn_bias_act_fwd(x, bias, activation) -> y = act(x + bias)
+//   ffn_bias_act_bwd(dy, x, bias, activation, need_dbias) -> {dx, dbias}
+//       dx = dy * act'(x + bias); dbias = dx summed over rows (bias's dtype, x's if no bias),
+//       an empty tensor unless need_dbias
+//   ffn_gated_act_fwd(gate, up, activation) -> h = act(gate) * up
+//   ffn_gated_act_bwd(dh, gate, up, activation) -> {dgate, dup}
+//       dgate = dh * up * act'(gate), dup = dh * act(gate)
+//   FFN epilogues: fp32/fp16/bf16, (..., N) tensors whose rows have one stride (last dim
+//   contiguous), bias (N,); outputs contiguous in x's (gate's) shape and dtype; activation is
+//   the Activation code of common/activations.h: 0 relu, 1 gelu (erf), 2 gelu_tanh, 3 silu.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -8,6 +27,8 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cuda/cuda_kernels.h"
@@ -132,6 +153,255 @@ inline std::vector<at::Tensor> add_norm_bwd(const at::Tensor& dy, const c10::opt
   p.num_blocks = blocks;
   check_launch(cuda::add_norm_bwd(p, c10::cuda::getCurrentCUDAStream().stream()), "add_norm_bwd");
   return {dz, dweight, dbias};
+}
+
+// ---- attention ---------------------------------------------------------------------------------
+// The kernels copy 16-byte chunks: data 16-byte aligned and the (batch, head, row) strides
+// multiples of 8 elements. A view that is not (an odd slice offset: never on the hot path of
+// a model) is copied once.
+inline at::Tensor attention_aligned(const at::Tensor& t) {
+  TORCH_CHECK(t.dim() == 4, "fastformer CUDA attention: expected a 4-D tensor");
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) <= 1, "fastformer CUDA attention: last dim must be contiguous");
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; d < 3; ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+inline HeadsIn heads_in(const at::Tensor& t) {
+  return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+}
+inline HeadsOut heads_out(const at::Tensor& t) {
+  return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
+}
+
+inline AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const c10::optional<at::Tensor>& attn_mask,
+                                      const c10::optional<at::Tensor>& key_padding_mask,
+                                      int64_t causal, double scale, double dropout_p) {
+  TORCH_CHECK(!(attn_mask.has_value() && attn_mask->defined()),
+              "fastformer CUDA attention: attn_mask is not supported (the dispatcher sends it to triton)");
+  TORCH_CHECK(dropout_p == 0.0, "fastformer CUDA attention: dropout is not supported");
+  TORCH_CHECK(causal >= 0 && causal <= 2, "fastformer CUDA attention: causal must be 0, 1 or 2");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "fastformer CUDA attention: q, k, v must share a dtype");
+  AttentionShape s;
+  s.dtype = cuda_dtype(q);
+  s.head_dim = static_cast<int>(q.size(3));
+  TORCH_CHECK(attention_supported(s.dtype, s.head_dim),
+              "fastformer CUDA attention: fp16/bf16 with head dim 64 or 128 only");
+  TORCH_CHECK(k.size(3) == q.size(3) && v.size(3) == q.size(3), "fastformer CUDA attention: head dims differ");
+  s.batch = q.size(0);
+  s.heads = q.size(1);
+  s.kv_heads = k.size(1);
+  TORCH_CHECK(k.size(0) == s.batch && v.size(0) == s.batch && v.size(1) == s.kv_heads &&
+                  v.size(2) == k.size(2),
+              "fastformer CUDA attention: k and v shapes do not match q");
+  TORCH_CHECK(s.kv_heads > 0 ? s.heads % s.kv_heads == 0 : s.heads == 0,
+              "fastformer CUDA attention: heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(2) < (int64_t{1} << 31) && k.size(2) < (int64_t{1} << 31),
+              "fastformer CUDA attention: sequence too long");
+  s.len_q = static_cast<int>(q.size(2));
+  s.len_k = static_cast<int>(k.size(2));
+  s.scale = static_cast<float>(scale);
+  s.causal = static_cast<int>(causal);
+  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
+    const at::Tensor& m = *key_padding_mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 2 && m.size(0) == s.batch &&
+                    m.size(1) == s.len_k && m.device() == q.device(),
+                "fastformer CUDA attention: key_padding_mask must be bool (B, Lk) on q's device");
+    s.key_padding = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
+    s.key_padding_batch_stride = m.stride(0);
+    s.key_padding_key_stride = m.stride(1);
+  }
+  return s;
+}
+
+inline std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                             const at::Tensor& v,
+                                             const c10::optional<at::Tensor>& attn_mask,
+                                             const c10::optional<at::Tensor>& key_padding_mask,
+                                             int64_t causal, double scale, double dropout_p,
+                                             int64_t seed, int64_t offset) {
+  (void)seed, (void)offset;  // dropout only
+  c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor qa = attention_aligned(q), ka = attention_aligned(k), va = attention_aligned(v);
+  AttentionFwdParams p;
+  p.shape = attention_shape(qa, ka, va, attn_mask, key_padding_mask, causal, scale, dropout_p);
+  const AttentionShape& s = p.shape;
+  // (B, H, Lq, D) stored as (B, Lq, H, D): the head merge that follows is a free reshape
+  at::Tensor out = at::empty({s.batch, s.len_q, s.heads, s.head_dim}, q.options()).transpose(1, 2);
+  at::Tensor lse = at::empty({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
+  p.q = heads_in(qa);
+  p.k = heads_in(ka);
+  p.v = heads_in(va);
+  p.out = heads_out(out);
+  p.lse = lse.data_ptr<float>();
+  check_launch(cuda::attention_fwd(p, c10::cuda::getCurrentCUDAStream().stream()), "attention_fwd");
+  return {out, lse};
+}
+
+inline std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& q,
+                                             const at::Tensor& k, const at::Tensor& v,
+                                             const at::Tensor& out, const at::Tensor& lse,
+                                             const c10::optional<at::Tensor>& attn_mask,
+                                             const c10::optional<at::Tensor>& key_padding_mask,
+                                             int64_t causal, double scale, double dropout_p,
+                                             int64_t seed, int64_t offset) {
+  (void)seed, (void)offset;  // dropout only
+  c10::cuda::CUDAGuard guard(q.device());
+  const at::Tensor qa = attention_aligned(q), ka = attention_aligned(k), va = attention_aligned(v);
+  AttentionBwdParams p;
+  p.shape = attention_shape(qa, ka, va, attn_mask, key_padding_mask, causal, scale, dropout_p);
+  const AttentionShape& s = p.shape;
+  TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.numel() == s.batch * s.heads * s.len_q,
+              "fastformer CUDA attention: lse must be the forward's fp32 (B, H, Lq)");
+  TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() &&
+                  dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "fastformer CUDA attention: dout and out must match q");
+  const at::Tensor dout_a = attention_aligned(dout), out_a = attention_aligned(out);
+  const at::Tensor lse_c = lse.contiguous();
+  at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dq_accum = at::empty({s.batch, s.heads, s.len_q, s.head_dim}, f32);
+  at::Tensor delta = at::empty({s.batch, s.heads, s.len_q}, f32);
+  p.q = heads_in(qa);
+  p.k = heads_in(ka);
+  p.v = heads_in(va);
+  p.out = heads_in(out_a);
+  p.dout = heads_in(dout_a);
+  p.lse = lse_c.data_ptr<float>();
+  p.dq = heads_out(dq);
+  p.dk = heads_out(dk);
+  p.dv = heads_out(dv);
+  p.dq_accum = dq_accum.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
+  check_launch(cuda::attention_bwd(p, c10::cuda::getCurrentCUDAStream().stream()), "attention_bwd");
+  return {dq, dk, dv};
+}
+
+// ---- FFN epilogues --------------------------------------------------------------------------
+inline Activation ffn_activation(int64_t code) {
+  TORCH_CHECK(code >= 0 && code <= 3, "fastformer CUDA FFN: activation code must be 0..3, got ", code);
+  return static_cast<Activation>(code);
+}
+
+// (rows, cols) of t viewed as (-1, t.size(-1)).
+inline std::pair<int64_t, int64_t> rows_cols(const at::Tensor& t) {
+  TORCH_CHECK(t.dim() >= 1, "fastformer CUDA FFN: expected at least 1 dim");
+  const int64_t cols = t.size(-1);
+  return {cols ? t.numel() / cols : 0, cols};
+}
+
+inline at::Tensor empty_rows_like(const at::Tensor& t) {
+  return at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+inline void check_bias(const c10::optional<at::Tensor>& bias, const at::Tensor& x) {
+  if (!bias.has_value() || !bias->defined()) return;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == x.size(-1) && bias->is_contiguous() &&
+                  bias->device() == x.device(),
+              "fastformer CUDA FFN: bias must be a contiguous (N,) tensor on x's device");
+}
+
+inline at::Tensor ffn_bias_act_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& bias,
+                                   int64_t activation) {
+  c10::cuda::CUDAGuard guard(x.device());
+  check_bias(bias, x);
+  at::Tensor y = empty_rows_like(x);
+  BiasActFwdParams p;
+  p.dtype = cuda_dtype(x);
+  p.act = ffn_activation(activation);
+  std::tie(p.rows, p.cols) = rows_cols(x);
+  p.x = x.data_ptr();
+  p.x_row_stride = uniform_row_stride(x);
+  if (bias.has_value() && bias->defined()) {
+    p.bias = bias->data_ptr();
+    p.bias_dtype = cuda_dtype(*bias);
+  }
+  p.y = y.data_ptr();
+  p.y_row_stride = p.cols;
+  check_launch(cuda::bias_act_fwd(p, c10::cuda::getCurrentCUDAStream().stream()), "ffn_bias_act_fwd");
+  return y;
+}
+
+inline std::vector<at::Tensor> ffn_bias_act_bwd(const at::Tensor& dy, const at::Tensor& x,
+                                                const c10::optional<at::Tensor>& bias,
+                                                int64_t activation, bool need_dbias) {
+  c10::cuda::CUDAGuard guard(x.device());
+  check_bias(bias, x);
+  TORCH_CHECK(dy.sizes() == x.sizes() && dy.scalar_type() == x.scalar_type(),
+              "fastformer CUDA FFN: dy must match x");
+  const bool has_bias = bias.has_value() && bias->defined();
+  at::Tensor dx = empty_rows_like(x);
+  BiasActBwdParams p;
+  p.dtype = cuda_dtype(x);
+  p.bias_dtype = has_bias ? cuda_dtype(*bias) : p.dtype;
+  p.act = ffn_activation(activation);
+  std::tie(p.rows, p.cols) = rows_cols(x);
+  p.dy = dy.data_ptr();
+  p.dy_row_stride = uniform_row_stride(dy);
+  p.x = x.data_ptr();
+  p.x_row_stride = uniform_row_stride(x);
+  p.bias = has_bias ? bias->data_ptr() : nullptr;
+  p.dx = dx.data_ptr();
+  p.dx_row_stride = p.cols;
+  at::Tensor dbias = at::empty({need_dbias ? p.cols : 0}, has_bias ? bias->options() : x.options());
+  at::Tensor part;
+  if (need_dbias) {
+    int sm_count = 0;
+    check_launch(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, x.get_device()),
+                 "cudaDeviceGetAttribute");
+    p.row_groups = bias_act_bwd_row_groups(p.rows, p.cols, sm_count);
+    part = at::empty({p.row_groups, p.cols}, x.options().dtype(at::kFloat));
+    p.dbias_part = part.data_ptr<float>();
+    p.dbias = dbias.data_ptr();
+  }
+  check_launch(cuda::bias_act_bwd(p, c10::cuda::getCurrentCUDAStream().stream()), "ffn_bias_act_bwd");
+  return {dx, dbias};
+}
+
+inline at::Tensor ffn_gated_act_fwd(const at::Tensor& gate, const at::Tensor& up, int64_t activation) {
+  c10::cuda::CUDAGuard guard(gate.device());
+  TORCH_CHECK(up.sizes() == gate.sizes() && up.scalar_type() == gate.scalar_type(),
+              "fastformer CUDA FFN: gate and up must match");
+  at::Tensor h = empty_rows_like(gate);
+  GatedActFwdParams p;
+  p.dtype = cuda_dtype(gate);
+  p.act = ffn_activation(activation);
+  std::tie(p.rows, p.cols) = rows_cols(gate);
+  p.gate = gate.data_ptr();
+  p.gate_row_stride = uniform_row_stride(gate);
+  p.up = up.data_ptr();
+  p.up_row_stride = uniform_row_stride(up);
+  p.h = h.data_ptr();
+  p.h_row_stride = p.cols;
+  check_launch(cuda::gated_act_fwd(p, c10::cuda::getCurrentCUDAStream().stream()), "ffn_gated_act_fwd");
+  return h;
+}
+
+inline std::vector<at::Tensor> ffn_gated_act_bwd(const at::Tensor& dh, const at::Tensor& gate,
+                                                 const at::Tensor& up, int64_t activation) {
+  c10::cuda::CUDAGuard guard(gate.device());
+  TORCH_CHECK(up.sizes() == gate.sizes() && dh.sizes() == gate.sizes() &&
+                  up.scalar_type() == gate.scalar_type() && dh.scalar_type() == gate.scalar_type(),
+              "fastformer CUDA FFN: dh, gate and up must match");
+  at::Tensor dgate = empty_rows_like(gate), dup = empty_rows_like(gate);
+  GatedActBwdParams p;
+  p.dtype = cuda_dtype(gate);
+  p.act = ffn_activation(activation);
+  std::tie(p.rows, p.cols) = rows_cols(gate);
+  p.dh = dh.data_ptr();
+  p.dh_row_stride = uniform_row_stride(dh);
+  p.gate = gate.data_ptr();
+  p.gate_row_stride = uniform_row_stride(gate);
+  p.up = up.data_ptr();
+  p.up_row_stride = uniform_row_stride(up);
+  p.dgate = dgate.data_ptr();
+  p.dgate_row_stride = p.cols;
+  p.dup = dup.data_ptr();
+  p.dup_row_stride = p.cols;
+  check_launch(cuda::gated_act_bwd(p, c10::cuda::getCurrentCUDAStream().stream()), "ffn_gated_act_bwd");
+  return {dgate, dup};
 }
 
 }  // namespace fastformer::cuda

@@ -156,7 +156,7 @@ def attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor
 @attention_fwd_op.register_fake
 def _(q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p, rng_state):
     B, H, Lq, _ = q.shape
-    return _out_like(q, v), q.new_empty((B, H, Lq), dtype=torch.float32)
+    return _out_like(q, v), q.new_empty((B, H, Lq), dtype=ref.acc_dtype(q.dtype))
 
 
 @torch.library.custom_op("fastformer::attention_bwd", mutates_args=())

@@ -86,13 +86,13 @@ def _dropout_scale(rng_state, shape, dropout_p, device, dtype):
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
                   key_padding_mask: Optional[Tensor], causal: int, scale: float, dropout_p: float,
                   rng_state: Optional[Tensor]):
-    """Returns (out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32)."""
+    """Returns (out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32 (fp64 for fp64 inputs))."""
     H = q.shape[1]
     p, lse = _probs(q, k, attn_mask, key_padding_mask, causal, scale)
     if dropout_p > 0:
         p = p * _dropout_scale(rng_state, p.shape, dropout_p, q.device, p.dtype)
     out = torch.matmul(p, _expand_kv(v, H).to(p.dtype))
-    return out.to(q.dtype), lse.to(torch.float32)
+    return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
 
 def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,

@@ -1,0 +1,125 @@
+// FFN activations and their derivatives, written once for the CPU (scalar and SIMD) and CUDA
+// kernels. With x the pre-activation (GEMM output + bias):
+//   relu(x)      = max(x, 0)                         relu'(x)      = 1 if x > 0 else 0
+//   gelu(x)      = x/2 (1 + erf(x/sqrt2))            gelu'(x)      = (1 + erf(x/sqrt2))/2
+//                                                                   + x exp(-x^2/2)/sqrt(2 pi)
+//   gelu_tanh(x) = x/2 (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
+//                  gelu_tanh'(x) = (1 + t)/2 + x/2 (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2),
+//                  t = tanh(u)                       (torch's gelu(approximate="tanh") backward)
+//   silu(x)      = x s(x),  s = 1/(1 + exp(-x))      silu'(x)      = s (1 + x (1 - s))
+// Gated (SwiGLU = silu, GeGLU = gelu / gelu_tanh, ReGLU = relu): h = act(gate) * up, so
+//   d gate = dh * up * act'(gate),   d up = dh * act(gate).
+// Biased: y = act(x + b), dx = dy * act'(x + b), db = sum over rows of dx.
+//
+// The templates take a value type V that supports +, -, *, / and construction from a double
+// constant (V(0.5)), and call the non-arithmetic functions through ActMath<V>. Scalars (float,
+// double) are provided here; a SIMD type (e.g. at::vec::Vectorized<float>) is used by
+// specializing ActMath for it, anywhere before the first instantiation:
+//   template <> struct fastformer::ActMath<Vec> {
+//     static Vec exp(const Vec& x);    // e^x (x = -inf -> 0, large x -> inf)
+//     static Vec erf(const Vec& x);
+//     static Vec tanh(const Vec& x);
+//     static Vec relu(const Vec& x);   // x < 0 ? 0 : x  (NaN stays NaN, as torch.relu)
+//     static Vec step(const Vec& x);   // x > 0 ? 1 : 0  (relu's derivative, torch's convention)
+//   };
+// All math is in V's precision; kernels on fp16/bf16 data convert to float first.
+#pragma once
+#include <math.h>
+
+#include "ff_common.h"
+
+namespace fastformer {
+
+// The numbering is part of the ABI between the bindings and the kernels; keep it stable.
+enum class Activation : int32_t { relu = 0, gelu = 1, gelu_tanh = 2, silu = 3 };
+
+template <typename V>
+struct ActMath;
+
+template <>
+struct ActMath<float> {
+  static FF_HOST_DEVICE float exp(float x) { return ::expf(x); }
+  static FF_HOST_DEVICE float erf(float x) { return ::erff(x); }
+  static FF_HOST_DEVICE float tanh(float x) { return ::tanhf(x); }
+  static FF_HOST_DEVICE float relu(float x) { return x < 0.f ? 0.f : x; }
+  static FF_HOST_DEVICE float step(float x) { return x > 0.f ? 1.f : 0.f; }
+};
+
+template <>
+struct ActMath<double> {
+  static FF_HOST_DEVICE double exp(double x) { return ::exp(x); }
+  static FF_HOST_DEVICE double erf(double x) { return ::erf(x); }
+  static FF_HOST_DEVICE double tanh(double x) { return ::tanh(x); }
+  static FF_HOST_DEVICE double relu(double x) { return x < 0.0 ? 0.0 : x; }
+  static FF_HOST_DEVICE double step(double x) { return x > 0.0 ? 1.0 : 0.0; }
+};
+
+namespace act_const {
+constexpr double kInvSqrt2 = 0.70710678118654752440;    // 1/sqrt(2)
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1/sqrt(2 pi)
+constexpr double kSqrt2OverPi = 0.79788456080286535588; // sqrt(2/pi)
+constexpr double kTanhCubic = 0.044715;
+}  // namespace act_const
+
+template <typename V>
+struct ValueGrad {
+  V value;  // act(x)
+  V grad;   // act'(x)
+};
+
+// act(x).
+template <Activation A, typename V, typename M = ActMath<V>>
+FF_HOST_DEVICE V activation(const V& x) {
+  using namespace act_const;
+  if constexpr (A == Activation::relu) {
+    return M::relu(x);
+  } else if constexpr (A == Activation::gelu) {
+    return V(0.5) * x * (V(1.0) + M::erf(x * V(kInvSqrt2)));
+  } else if constexpr (A == Activation::gelu_tanh) {
+    const V u = V(kSqrt2OverPi) * (x + V(kTanhCubic) * x * x * x);
+    return V(0.5) * x * (V(1.0) + M::tanh(u));
+  } else {
+    return x / (V(1.0) + M::exp(V(0.0) - x));
+  }
+}
+
+// act(x) and act'(x), sharing the transcendental functions.
+template <Activation A, typename V, typename M = ActMath<V>>
+FF_HOST_DEVICE ValueGrad<V> activation_value_grad(const V& x) {
+  using namespace act_const;
+  if constexpr (A == Activation::relu) {
+    return {M::relu(x), M::step(x)};
+  } else if constexpr (A == Activation::gelu) {
+    const V cdf = V(0.5) * (V(1.0) + M::erf(x * V(kInvSqrt2)));
+    const V pdf = V(kInvSqrt2Pi) * M::exp(V(-0.5) * x * x);
+    return {x * cdf, cdf + x * pdf};
+  } else if constexpr (A == Activation::gelu_tanh) {
+    const V x_sq = x * x;
+    const V t = M::tanh(V(kSqrt2OverPi) * (x + V(kTanhCubic) * x_sq * x));
+    const V half_x = V(0.5) * x;
+    const V du_dx = V(kSqrt2OverPi) * (V(1.0) + V(3.0 * kTanhCubic) * x_sq);
+    return {half_x * (V(1.0) + t), V(0.5) * (V(1.0) + t) + half_x * (V(1.0) - t * t) * du_dx};
+  } else {
+    const V s = V(1.0) / (V(1.0) + M::exp(V(0.0) - x));
+    return {x * s, s * (V(1.0) + x * (V(1.0) - s))};
+  }
+}
+
+// Call f(std::integral_constant-like tag) with the compile-time Activation named by `a`:
+//   dispatch_activation(a, [&](auto tag) { kernel<decltype(tag)::value>(...); });
+template <Activation A>
+struct ActivationTag {
+  static constexpr Activation value = A;
+};
+
+template <typename F>
+inline void dispatch_activation(Activation a, F&& f) {
+  switch (a) {
+    case Activation::relu: f(ActivationTag<Activation::relu>{}); break;
+    case Activation::gelu: f(ActivationTag<Activation::gelu>{}); break;
+    case Activation::gelu_tanh: f(ActivationTag<Activation::gelu_tanh>{}); break;
+    default: f(ActivationTag<Activation::silu>{}); break;
+  }
+}
+
+}  // namespace fastformer

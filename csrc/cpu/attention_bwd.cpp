@@ -1,0 +1,192 @@
+// Flash attention backward on CPU (semantics and formulas: fastformer/reference/attention.py).
+//
+// Recomputes the probabilities tile by tile from the saved lse; no Lq x Lk buffer:
+//   delta_i = sum_d dO_id O_id                                  (pre-pass over all rows)
+//   per (query block, key block) tile:
+//     S   = Q K^T                     P = exp(scale * S + mask - lse)   (0 where masked)
+//     dP  = dO V^T                    with dropout: P' = P keep/(1-p), dP' = dP keep/(1-p)
+//     dV += P'^T dO                   dS = P (dP' - delta)
+//     dK += dS^T Q                    dQ += dS K              (scale applied once at the end)
+// Five micro-kernel GEMMs per tile (2.5x the forward's flops), P^T and dS^T read as transposed
+// views (no transposition copies).
+//
+// Parallelism: tasks are (batch, kv head, key chunk). A task owns dK and dV of its keys for all
+// the query heads of its kv head (GQA sums need no atomics) and walks every query block that
+// can see them (causal: those at or below the diagonal). dQ of a head gets contributions from
+// every key chunk, so each chunk writes its own fp32 dQ partial, summed in chunk order at the
+// end. The chunk count depends on the shape only (not on the thread count): results are
+// bitwise identical for any number of threads.
+// Memory: K^T, V^T, K (fp32, packed once); per task Q and dO of one head in fp32 (row-major
+// for the A operands, column panels for the B operands) and dK,
+// dV accumulators of its keys; dQ partials (chunks x B x H x Lq x D fp32; one chunk unless
+// B * Hkv < kMinTasks).
+#include <vector>
+
+#include "cpu/attention_common.h"
+
+namespace fastformer::cpu::CPU_CAPABILITY {
+namespace {
+
+using namespace attn;
+
+constexpr int64_t kMinTasks = 8;  // split keys into chunks until B * Hkv * chunks >= this
+
+template <typename T>
+void attention_bwd_typed(const AttnArgs& a) {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  constexpr int64_t kV = V::size();
+  constexpr int64_t NR = MicroShape<A>::kNR;
+  const Shape<A> sh(a);
+  const Packed<A> pk(sh, /*backward=*/true);
+  pack_kv<T, A>(a, sh, pk);
+
+  // delta_i = sum_d dO_id * O_id
+  A* const delta = thread_scratch<A, 23>(sh.B * sh.H * sh.Lq);
+  at::parallel_for(0, sh.B * sh.H * sh.Lq, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t i = r % sh.Lq, bh = r / sh.Lq;
+      const T* o = row_ptr<T>(a.out, bh / sh.H, bh % sh.H, i);
+      const T* dout = row_ptr<T>(a.dout, bh / sh.H, bh % sh.H, i);
+      V sum(A(0));
+      int64_t d = 0;
+      for (; d + kV <= sh.Dv; d += kV) sum = at::vec::fmadd(load_acc(o + d), load_acc(dout + d), sum);
+      if (d < sh.Dv) sum = at::vec::fmadd(load_acc(o + d, sh.Dv - d), load_acc(dout + d, sh.Dv - d), sum);
+      delta[r] = reduce_add(sum);
+    }
+  });
+
+  const int64_t n_chunks = std::clamp<int64_t>((kMinTasks + sh.B * sh.Hkv - 1) / (sh.B * sh.Hkv), 1, sh.n_kb);
+  const int64_t kb_per_chunk = (sh.n_kb + n_chunks - 1) / n_chunks;
+  const int64_t dq_head = (sh.Lq + kRowSlack) * sh.D_pad;
+  A* const dq_part = thread_scratch<A, 24>(n_chunks * sh.B * sh.H * dq_head);
+  std::fill(dq_part, dq_part + n_chunks * sh.B * sh.H * dq_head, A(0));
+
+  const uint32_t threshold = a.dropout_p > 0 ? dropout_threshold(a.dropout_p) : 0;
+  const A drop_scale = a.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - a.dropout_p) : A(1);
+  const A* const lse = static_cast<const A*>(a.lse);
+  const int64_t s_ld = sh.Bk_pad + kRowSlack;
+
+  const double flops = 2.5 * 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
+  parallel_tasks(sh.B * sh.Hkv * n_chunks, flops, [&](int64_t task) {
+    const int64_t chunk = task % n_chunks, bhkv = task / n_chunks;
+    const int64_t b = bhkv / sh.Hkv, hkv = bhkv % sh.Hkv;
+    const int64_t kb0 = chunk * kb_per_chunk, kb1 = std::min(sh.n_kb, kb0 + kb_per_chunk);
+    if (kb0 >= kb1) return;
+    const int64_t key0 = kb0 * kBlockK, n_chunk_keys = std::min(sh.Lk, kb1 * kBlockK) - key0;
+    const int64_t q_rows = sh.Lq + kRowSlack;
+    A* const q_f = thread_scratch<A, 25>(q_rows * sh.D_pad);    // Q, row-major (A operand)
+    A* const do_f = thread_scratch<A, 26>(q_rows * sh.Dv_pad);  // dO, row-major
+    A* const q_p = thread_scratch<A, 33>(q_rows * sh.D_pad);    // Q, column panels (B operand)
+    A* const do_p = thread_scratch<A, 34>(q_rows * sh.Dv_pad);  // dO, column panels
+    A* const dk_acc = thread_scratch<A, 27>((n_chunk_keys + kRowSlack) * sh.D_pad);
+    A* const dv_acc = thread_scratch<A, 28>((n_chunk_keys + kRowSlack) * sh.Dv_pad);
+    A* const p_tile = thread_scratch<A, 29>((kBlockQ + kRowSlack) * s_ld);
+    A* const ds_tile = thread_scratch<A, 30>((kBlockQ + kRowSlack) * s_ld);
+    A* const pd_tile = threshold ? thread_scratch<A, 31>((kBlockQ + kRowSlack) * s_ld) : p_tile;
+    A* const bias = thread_scratch<A, 32>(sh.Bk_pad);
+    std::fill(dk_acc, dk_acc + (n_chunk_keys + kRowSlack) * sh.D_pad, A(0));
+    std::fill(dv_acc, dv_acc + (n_chunk_keys + kRowSlack) * sh.Dv_pad, A(0));
+
+    for (int64_t g = 0; g < sh.G; ++g) {
+      const int64_t h = hkv * sh.G + g;
+      for (int64_t i = 0; i < q_rows; ++i) {
+        A* q_i = q_f + i * sh.D_pad;
+        A* do_i = do_f + i * sh.Dv_pad;
+        if (i < sh.Lq) {
+          load_row(row_ptr<T>(a.q, b, h, i), sh.D, sh.D_pad, q_i);
+          load_row(row_ptr<T>(a.dout, b, h, i), sh.Dv, sh.Dv_pad, do_i);
+        } else {
+          std::fill(q_i, q_i + sh.D_pad, A(0));
+          std::fill(do_i, do_i + sh.Dv_pad, A(0));
+        }
+        put_row_panels(q_p, q_rows, i, q_i, sh.D_pad);
+        put_row_panels(do_p, q_rows, i, do_i, sh.Dv_pad);
+      }
+      A* const dq = dq_part + (chunk * sh.B * sh.H + b * sh.H + h) * dq_head;
+      const A* lse_h = lse + (b * sh.H + h) * sh.Lq;
+      const A* delta_h = delta + (b * sh.H + h) * sh.Lq;
+
+      for (int64_t kb = kb0; kb < kb1; ++kb) {
+        const int64_t k0 = kb * kBlockK, n_keys = std::min(kBlockK, sh.Lk - k0);
+        A* const dk_blk = dk_acc + (k0 - key0) * sh.D_pad;
+        A* const dv_blk = dv_acc + (k0 - key0) * sh.Dv_pad;
+        // Query blocks that can see key block kb (causal: at or below the diagonal).
+        const int64_t first_q = a.causal ? std::max<int64_t>(0, k0 - sh.causal_shift) : 0;
+        for (int64_t q0 = first_q / kBlockQ * kBlockQ; q0 < sh.Lq; q0 += kBlockQ) {
+          const int64_t n_q = std::min(kBlockQ, sh.Lq - q0);
+          const bool diagonal = sh.diagonal(a, q0, kb);
+          tile_gemm<A>(n_q, sh.Bk_pad, sh.D, q_f + q0 * sh.D_pad, sh.D_pad, 1,
+                       pk.kt_block(bhkv, kb, sh), NR, sh.D * NR, p_tile, s_ld, false);
+          tile_gemm<A>(n_q, sh.Bk_pad, sh.Dv, do_f + q0 * sh.Dv_pad, sh.Dv_pad, 1,
+                       pk.vt_block(bhkv, kb, sh), NR, sh.Dv * NR, ds_tile, s_ld, false);
+          for (int64_t i = 0; i < n_q; ++i) {
+            A* p = p_tile + i * s_ld;
+            A* ds = ds_tile + i * s_ld;
+            score_row(a, sh, p, b, h, q0 + i, k0, n_keys, diagonal, bias);
+            exp_row(p, sh.Bk_pad, lse_h[q0 + i]);  // P = exp(s - lse): 0 where masked
+            const V delta_v(delta_h[q0 + i]);
+            if (threshold) {
+              // dS = P (dP keep/(1-p) - delta); dV uses P' = P keep/(1-p)
+              A* pd = pd_tile + i * s_ld;
+              std::copy(p, p + sh.Bk_pad, pd);
+              drop_row(a, pd, b, h, q0 + i, k0, n_keys, threshold);
+              const V scale_v(drop_scale);
+              for (int64_t j = 0; j < sh.Bk_pad; j += kV) {
+                const V kept = V::loadu(pd + j) * scale_v;  // P'
+                const V p_v = V::loadu(p + j);
+                // dP' = dP * keep/(1-p) = dP * P'/P where P > 0; dS = P dP' - P delta
+                const V dp_kept = V::blendv(V::loadu(ds + j) * scale_v, V(A(0)), kept == V(A(0)));
+                (p_v * (dp_kept - delta_v)).store(ds + j);
+                kept.store(pd + j);
+              }
+            } else {
+              for (int64_t j = 0; j < sh.Bk_pad; j += kV)
+                (V::loadu(p + j) * (V::loadu(ds + j) - delta_v)).store(ds + j);
+            }
+          }
+          // dV += P'^T dO, dK += dS^T Q (transposed views of the tiles), dQ += dS K.
+          tile_gemm<A>(n_keys, sh.Dv, n_q, pd_tile, 1, s_ld, do_p + q0 * NR, NR, q_rows * NR,
+                       dv_blk, sh.Dv_pad, true);
+          tile_gemm<A>(n_keys, sh.D, n_q, ds_tile, 1, s_ld, q_p + q0 * NR, NR, q_rows * NR,
+                       dk_blk, sh.D_pad, true);
+          tile_gemm<A>(n_q, sh.D, n_keys, ds_tile, s_ld, 1, pk.kp_keys(bhkv, k0), NR,
+                       sh.Lk_pad * NR, dq + q0 * sh.D_pad, sh.D_pad, true);
+        }
+      }
+    }
+    // dK = scale * dS^T Q, dV as accumulated: write this task's keys.
+    const V scale_v(static_cast<A>(a.scale));
+    for (int64_t j = 0; j < n_chunk_keys; ++j) {
+      T* dk_row = const_cast<T*>(row_ptr<T>(a.dk, b, hkv, key0 + j));
+      T* dv_row = const_cast<T*>(row_ptr<T>(a.dv, b, hkv, key0 + j));
+      for (int64_t d = 0; d < sh.D; d += kV)
+        store_acc(dk_row + d, V::loadu(dk_acc + j * sh.D_pad + d) * scale_v, std::min(kV, sh.D - d));
+      for (int64_t d = 0; d < sh.Dv; d += kV)
+        store_acc(dv_row + d, V::loadu(dv_acc + j * sh.Dv_pad + d), std::min(kV, sh.Dv - d));
+    }
+  });
+
+  // dQ = scale * sum over chunks (in chunk order) of the partials.
+  const V scale_v(static_cast<A>(a.scale));
+  at::parallel_for(0, sh.B * sh.H * sh.Lq, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t i = r % sh.Lq, bh = r / sh.Lq;
+      T* dq_row = const_cast<T*>(row_ptr<T>(a.dq, bh / sh.H, bh % sh.H, i));
+      for (int64_t d = 0; d < sh.D; d += kV) {
+        V sum = V::loadu(dq_part + bh * dq_head + i * sh.D_pad + d);
+        for (int64_t c = 1; c < n_chunks; ++c)
+          sum = sum + V::loadu(dq_part + (c * sh.B * sh.H + bh) * dq_head + i * sh.D_pad + d);
+        store_acc(dq_row + d, sum * scale_v, std::min(kV, sh.D - d));
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void attention_bwd(const AttnArgs& args) {
+  dispatch_dtype(args.dtype, [&](auto tag) { attention_bwd_typed<decltype(tag)>(args); });
+}
+
+}  // namespace fastformer::cpu::CPU_CAPABILITY

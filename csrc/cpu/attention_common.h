@@ -1,0 +1,270 @@
+// Pieces shared by the CPU flash attention forward (attention_fwd.cpp) and backward
+// (attention_bwd.cpp): tile sizes, K/V packing, the score row pass (scale, masks, causality,
+// online max), dropout regeneration and the task scheduler. Semantics: reference/attention.py.
+#pragma once
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+
+#include "common/online_softmax.h"
+#include "common/philox.h"
+#include "cpu/cpu_kernels.h"
+#include "cpu/gemm.h"
+#include "cpu/vec_utils.h"
+
+namespace fastformer::cpu::CPU_CAPABILITY {
+namespace attn {
+
+// Query rows and keys per tile. 64 x 128 keeps the S tile (32 KB), the Q tile and a K^T block
+// (32 KB at D = 64) in L1/L2 while the micro-kernel streams them.
+constexpr int64_t kBlockQ = 64;
+constexpr int64_t kBlockK = 128;
+
+template <typename A>
+constexpr A kNegInf = -std::numeric_limits<A>::infinity();
+
+// Sizes derived once per call. Padded widths are multiples of the micro-tile's NR, padded
+// heights leave kRowSlack rows of zeros for the micro-kernel's full-tile reads.
+template <typename A>
+struct Shape {
+  int64_t B, H, Hkv, G, Lq, Lk, D, Dv;
+  int64_t D_pad, Dv_pad, Bk_pad, n_kb, n_qb, Lk_pad;
+  int64_t causal_shift;  // key j is allowed for query i iff j <= i + causal_shift (when causal)
+
+  explicit Shape(const AttnArgs& a) {
+    constexpr int64_t NR = MicroShape<A>::kNR;
+    B = a.B; H = a.H; Hkv = a.Hkv; G = a.H / a.Hkv; Lq = a.Lq; Lk = a.Lk; D = a.D; Dv = a.Dv;
+    D_pad = round_up_to(D, NR);
+    Dv_pad = round_up_to(Dv, NR);
+    Bk_pad = round_up_to(kBlockK, NR);
+    n_kb = (Lk + kBlockK - 1) / kBlockK;
+    n_qb = (Lq + kBlockQ - 1) / kBlockQ;
+    Lk_pad = n_kb * kBlockK + kRowSlack;
+    causal_shift = a.causal == 2 ? Lk - Lq : 0;
+  }
+
+  // Key blocks that query rows [q0, q1) can see.
+  int64_t kb_end(const AttnArgs& a, int64_t q1) const {
+    if (!a.causal) return n_kb;
+    const int64_t last_key = q1 - 1 + causal_shift;  // the last query's last allowed key
+    if (last_key < 0) return 0;
+    return std::min(n_kb, last_key / kBlockK + 1);
+  }
+  // Whether some (query, key) pair of the tile is cut by the causal diagonal.
+  bool diagonal(const AttnArgs& a, int64_t q0, int64_t kb) const {
+    return a.causal && (kb + 1) * kBlockK - 1 > q0 + causal_shift;
+  }
+};
+
+// Element (b, h, l, 0) of a view.
+template <typename T>
+inline const T* row_ptr(const View4& v, int64_t b, int64_t h, int64_t l) {
+  return static_cast<const T*>(v.ptr) + b * v.s[0] + h * v.s[1] + l * v.s[2];
+}
+
+// Converts n elements of a row into the accumulation type, zero-filling [n, n_pad).
+template <typename T, typename A>
+inline void load_row(const T* src, int64_t n, int64_t n_pad, A* dst) {
+  using V = Vectorized<A>;
+  int64_t j = 0;
+  for (; j + V::size() <= n; j += V::size()) load_acc(src + j).store(dst + j);
+  if (j < n) load_acc(src + j, n - j).store(dst + j);
+  for (j = n; j < n_pad; ++j) dst[j] = A(0);
+}
+
+// Packed operands, all fp32 (fp64 for fp64), zero padded, panel-major for the micro-kernel
+// (see tile_gemm in gemm.h), per (batch, kv head):
+//   kt: K^T blocks     [n_kb][Bk_pad/NR][D][NR]   B of S = Q K^T          (forward, backward)
+//   vt: V^T blocks     [n_kb][Bk_pad/NR][Dv][NR]  B of dP = dO V^T        (backward)
+//   vp: V by columns   [Dv_pad/NR][Lk_pad][NR]    B of O += P V           (forward)
+//   kp: K by columns   [D_pad/NR][Lk_pad][NR]     B of dQ += dS K         (backward)
+// Built in parallel over (batch, kv head, key block): one read of K and V, one write of each
+// packed copy. Null pointers skip a layout.
+template <typename A>
+struct Packed {
+  A *kt = nullptr, *vt = nullptr, *vp = nullptr, *kp = nullptr;
+  int64_t kt_head = 0, vt_head = 0, vp_head = 0, kp_head = 0;
+
+  Packed(const Shape<A>& sh, bool backward) {
+    const int64_t heads = sh.B * sh.Hkv;
+    kt_head = sh.n_kb * sh.Bk_pad * sh.D;
+    kt = thread_scratch<A, 40>(heads * kt_head);
+    if (backward) {
+      vt_head = sh.n_kb * sh.Bk_pad * sh.Dv;
+      kp_head = sh.D_pad * sh.Lk_pad;
+      vt = thread_scratch<A, 41>(heads * vt_head);
+      kp = thread_scratch<A, 42>(heads * kp_head);
+    } else {
+      vp_head = sh.Dv_pad * sh.Lk_pad;
+      vp = thread_scratch<A, 43>(heads * vp_head);
+    }
+  }
+  // B operands of one key block (kt, vt) or of the keys from k0 on (vp, kp).
+  const A* kt_block(int64_t bh, int64_t kb, const Shape<A>& sh) const { return kt + bh * kt_head + kb * sh.Bk_pad * sh.D; }
+  const A* vt_block(int64_t bh, int64_t kb, const Shape<A>& sh) const { return vt + bh * vt_head + kb * sh.Bk_pad * sh.Dv; }
+  const A* vp_keys(int64_t bh, int64_t k0) const { return vp + bh * vp_head + k0 * MicroShape<A>::kNR; }
+  const A* kp_keys(int64_t bh, int64_t k0) const { return kp + bh * kp_head + k0 * MicroShape<A>::kNR; }
+};
+
+// Writes row `key` (n values, zero padded to n_pad) as element (key, c) of a panel-major
+// [n_pad/NR][rows][NR] matrix.
+template <typename A>
+inline void put_row_panels(A* dst, int64_t rows, int64_t key, const A* row, int64_t n_pad) {
+  constexpr int64_t NR = MicroShape<A>::kNR;
+  for (int64_t c = 0; c < n_pad; c += NR) std::copy(row + c, row + c + NR, dst + (c / NR) * rows * NR + key * NR);
+}
+
+template <typename T, typename A>
+void pack_kv(const AttnArgs& a, const Shape<A>& sh, const Packed<A>& pk) {
+  constexpr int64_t NR = MicroShape<A>::kNR;
+  // Grain: ~64K packed values per task; smaller problems pack on the calling thread (waking a
+  // sleeping OpenMP worker costs ~0.1-1 ms on this VM, more than packing a small head).
+  const int64_t grain = std::max<int64_t>(1, 65536 / (kBlockK * (sh.D + sh.Dv)));
+  at::parallel_for(0, sh.B * sh.Hkv * sh.n_kb, grain, [&](int64_t t0, int64_t t1) {
+    A* const k_row = thread_scratch<A, 44>(sh.D_pad);
+    A* const v_row = thread_scratch<A, 45>(sh.Dv_pad);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t bh = t / sh.n_kb, kb = t % sh.n_kb;
+      const int64_t b = bh / sh.Hkv, h = bh % sh.Hkv;
+      const int64_t k0 = kb * kBlockK, n_keys = std::min(kBlockK, sh.Lk - k0);
+      A* kt_blk = pk.kt + bh * pk.kt_head + kb * sh.Bk_pad * sh.D;
+      A* vt_blk = pk.vt ? pk.vt + bh * pk.vt_head + kb * sh.Bk_pad * sh.Dv : nullptr;
+      for (int64_t j = 0; j < sh.Bk_pad; ++j) {
+        if (j < n_keys) {
+          load_row(row_ptr<T>(a.k, b, h, k0 + j), sh.D, sh.D_pad, k_row);
+          load_row(row_ptr<T>(a.v, b, h, k0 + j), sh.Dv, sh.Dv_pad, v_row);
+        } else {
+          std::fill(k_row, k_row + sh.D_pad, A(0));
+          std::fill(v_row, v_row + sh.Dv_pad, A(0));
+        }
+        // K^T / V^T blocks: element (d, j) at panel j / NR, row d, lane j % NR.
+        A* kt_col = kt_blk + (j / NR) * sh.D * NR + j % NR;
+        for (int64_t d = 0; d < sh.D; ++d) kt_col[d * NR] = k_row[d];
+        if (vt_blk) {
+          A* vt_col = vt_blk + (j / NR) * sh.Dv * NR + j % NR;
+          for (int64_t d = 0; d < sh.Dv; ++d) vt_col[d * NR] = v_row[d];
+        }
+        if (pk.vp) put_row_panels(pk.vp + bh * pk.vp_head, sh.Lk_pad, k0 + j, v_row, sh.Dv_pad);
+        if (pk.kp) put_row_panels(pk.kp + bh * pk.kp_head, sh.Lk_pad, k0 + j, k_row, sh.D_pad);
+      }
+    }
+  });
+  // Rows past the last block (read by full micro-tiles) are zero.
+  at::parallel_for(0, sh.B * sh.Hkv, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t bh = t0; bh < t1; ++bh) {
+      for (int64_t key = sh.n_kb * kBlockK; key < sh.Lk_pad; ++key) {
+        for (int64_t c = 0; pk.vp && c < sh.Dv_pad; c += NR)
+          std::fill_n(pk.vp + bh * pk.vp_head + (c / NR) * sh.Lk_pad * NR + key * NR, NR, A(0));
+        for (int64_t c = 0; pk.kp && c < sh.D_pad; c += NR)
+          std::fill_n(pk.kp + bh * pk.kp_head + (c / NR) * sh.Lk_pad * NR + key * NR, NR, A(0));
+      }
+    }
+  });
+}
+
+// Turns one row of raw dot products s[0:Bk_pad) (keys k0 .. k0 + n_keys of query qi) into
+// masked, scaled scores in place, and returns their maximum (-inf if none is allowed).
+//   s_j = scale * s_j + float mask;  -inf where the bool mask is false, the key is padding,
+//   causality forbids it, or j >= n_keys.
+template <typename A>
+inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, int64_t b, int64_t h, int64_t qi,
+                   int64_t k0, int64_t n_keys, bool diagonal, A* bias) {
+  using V = Vectorized<A>;
+  constexpr int64_t kV = V::size();
+  const V scale_v(static_cast<A>(a.scale));
+  // Additive bias row: float mask, and -inf for excluded keys. Built only when needed.
+  bool has_bias = n_keys < sh.Bk_pad;
+  int64_t allowed_end = n_keys;  // keys j >= allowed_end are excluded (tail or causal)
+  if (diagonal) allowed_end = std::clamp<int64_t>(qi + sh.causal_shift - k0 + 1, 0, n_keys);
+  has_bias |= allowed_end < n_keys || a.key_padding_mask || a.attn_mask.ptr;
+  if (has_bias) {
+    std::fill(bias, bias + allowed_end, A(0));
+    std::fill(bias + allowed_end, bias + sh.Bk_pad, kNegInf<A>);
+    if (a.key_padding_mask) {
+      const bool* pad = a.key_padding_mask + b * a.kpm_s[0] + k0 * a.kpm_s[1];
+      for (int64_t j = 0; j < allowed_end; ++j)
+        if (pad[j * a.kpm_s[1]]) bias[j] = kNegInf<A>;
+    }
+    if (a.attn_mask.ptr) {
+      const int64_t off = b * a.attn_mask.s[0] + h * a.attn_mask.s[1] + qi * a.attn_mask.s[2] +
+                          k0 * a.attn_mask.s[3];
+      const int64_t step = a.attn_mask.s[3];
+      if (a.mask_is_bool) {
+        const bool* m = static_cast<const bool*>(a.attn_mask.ptr) + off;
+        for (int64_t j = 0; j < allowed_end; ++j)
+          if (!m[j * step]) bias[j] = kNegInf<A>;
+      } else {
+        dispatch_dtype(a.mask_dtype, [&](auto tag) {
+          using M = decltype(tag);
+          const M* m = static_cast<const M*>(a.attn_mask.ptr) + off;
+          for (int64_t j = 0; j < allowed_end; ++j)
+            bias[j] += static_cast<A>(static_cast<acc_t<M>>(m[j * step]));
+        });
+      }
+    }
+  }
+  V row_max(kNegInf<A>);
+  for (int64_t j = 0; j < sh.Bk_pad; j += kV) {
+    V x = V::loadu(s + j) * scale_v;
+    if (has_bias) x = x + V::loadu(bias + j);
+    x.store(s + j);
+    row_max = at::vec::maximum(row_max, x);
+  }
+  return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, row_max);
+}
+
+// exp for x <= 0 (scores minus the row max). fp32: at::vec's exp_u20 (3.4e-7 relative error,
+// measured; exact 0 for -inf) with NaN passed through (exp_u20 turns NaN into inf); fp64: Sleef.
+template <typename A>
+inline Vectorized<A> exp_nonpositive(const Vectorized<A>& x) {
+  if constexpr (std::is_same_v<A, float>) {
+    return Vectorized<A>::blendv(x.exp_u20(), x, x.isnan());
+  } else {
+    return x.exp();
+  }
+}
+
+// p_j = exp(s_j - shift) in place over [0, n_pad); returns the sum.
+template <typename A>
+inline A exp_row(A* s, int64_t n_pad, A shift) {
+  using V = Vectorized<A>;
+  const V shift_v(shift);
+  V sum(A(0));
+  for (int64_t j = 0; j < n_pad; j += V::size()) {
+    const V p = exp_nonpositive(V::loadu(s + j) - shift_v);
+    p.store(s + j);
+    sum = sum + p;
+  }
+  return reduce_add(sum);
+}
+
+// Zeroes the dropped probabilities of one row (keys k0 .. k0 + n_keys of query qi).
+template <typename A>
+inline void drop_row(const AttnArgs& a, A* p, int64_t b, int64_t h, int64_t qi, int64_t k0,
+                     int64_t n_keys, uint32_t threshold) {
+  const uint64_t base = a.offset + static_cast<uint64_t>(((b * a.H + h) * a.Lq + qi) * a.Lk + k0);
+  for (int64_t j = 0; j < n_keys; ++j)
+    if (philox_word(base + j, a.seed) < threshold) p[j] = A(0);
+}
+
+// Runs task(t) for t in [0, n) on all threads, handing out tasks one at a time: causal tiles
+// differ in cost, and a static split would leave one core idle (or wait on a busy core).
+// Below ~2 MFLOP of total work everything runs on the calling thread (see pack_kv).
+template <typename F>
+void parallel_tasks(int64_t n, double total_flops, F&& task) {
+  if (total_flops < 2e6 || n == 1) {
+    for (int64_t t = 0; t < n; ++t) task(t);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) task(t);
+  });
+}
+
+}  // namespace attn
+}  // namespace fastformer::cpu::CPU_CAPABILITY

@@ -1,0 +1,103 @@
+// Flash attention forward on CPU (semantics: fastformer/reference/attention.py).
+//
+// Setup: K is packed once per (batch, kv head) into fp32 K^T blocks and V into fp32 column
+// panels (attention_common.h), in parallel: one read of K and V. Tasks are (batch, head,
+// 64-query block), handed out dynamically (causal tiles differ in cost).
+// Per task: Q block -> fp32 tile; row_max = -inf, row_sum = 0, acc = 0; for each key block the
+// queries can see (blocks above the causal diagonal are skipped, not masked):
+//   S = Q_tile K^T_block                       micro-kernel GEMM, 2*64*128*D flops
+//   s = scale * S + float mask, -inf where masked; online softmax update (common/online_softmax.h)
+//   P = exp(s - row_max'); dropped entries zeroed (Philox, common/philox.h)
+//   acc = alpha * acc + P V_block               micro-kernel GEMM, 2*64*128*Dv flops
+// out = acc / (row_sum * (1 - p)), lse = row_max + log(row_sum) (+inf for fully masked rows).
+// Memory per task: reads its Q block once and every visible packed K/V block (L2-resident for
+// a head at moderate Lk); writes its out block and lse once. The Lq x Lk matrix never exists:
+// the S tile (64 x 128 fp32 = 32 KB) is the only score storage.
+#include <vector>
+
+#include "cpu/attention_common.h"
+
+namespace fastformer::cpu::CPU_CAPABILITY {
+namespace {
+
+using namespace attn;
+
+template <typename T>
+void attention_fwd_typed(const AttnArgs& a) {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  constexpr int64_t NR = MicroShape<A>::kNR;
+  const Shape<A> sh(a);
+  const Packed<A> pk(sh, /*backward=*/false);
+  pack_kv<T, A>(a, sh, pk);
+
+  const uint32_t threshold = a.dropout_p > 0 ? dropout_threshold(a.dropout_p) : 0;
+  const A out_scale = a.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - a.dropout_p) : A(1);
+  const int64_t s_ld = sh.Bk_pad + kRowSlack;  // slack columns: P^T reads in the backward style
+  A* const lse_out = static_cast<A*>(a.lse);
+
+  const double flops = 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
+  parallel_tasks(sh.B * sh.H * sh.n_qb, flops, [&](int64_t task) {
+    const int64_t qb = task % sh.n_qb, bh = task / sh.n_qb;
+    const int64_t b = bh / sh.H, h = bh % sh.H, hkv = h / sh.G;
+    const int64_t q0 = qb * kBlockQ, n_q = std::min(kBlockQ, sh.Lq - q0);
+    A* const q_tile = thread_scratch<A, 12>((kBlockQ + kRowSlack) * sh.D_pad);
+    A* const s_tile = thread_scratch<A, 13>((kBlockQ + kRowSlack) * s_ld);
+    A* const acc = thread_scratch<A, 14>(kBlockQ * sh.Dv_pad);
+    A* const bias = thread_scratch<A, 15>(sh.Bk_pad);
+    A* const row_max = thread_scratch<A, 16>(kBlockQ);
+    A* const row_sum = thread_scratch<A, 17>(kBlockQ);
+
+    for (int64_t i = 0; i < kBlockQ + kRowSlack; ++i) {
+      if (i < n_q) load_row(row_ptr<T>(a.q, b, h, q0 + i), sh.D, sh.D_pad, q_tile + i * sh.D_pad);
+      else std::fill(q_tile + i * sh.D_pad, q_tile + (i + 1) * sh.D_pad, A(0));
+    }
+    std::fill(acc, acc + kBlockQ * sh.Dv_pad, A(0));
+    std::fill(row_max, row_max + kBlockQ, kNegInf<A>);
+    std::fill(row_sum, row_sum + kBlockQ, A(0));
+
+    const int64_t bh_kv = b * sh.Hkv + hkv;
+    const int64_t kb_end = sh.kb_end(a, q0 + n_q);
+    for (int64_t kb = 0; kb < kb_end; ++kb) {
+      const int64_t k0 = kb * kBlockK, n_keys = std::min(kBlockK, sh.Lk - k0);
+      tile_gemm<A>(n_q, sh.Bk_pad, sh.D, q_tile, sh.D_pad, 1, pk.kt_block(bh_kv, kb, sh), NR,
+                   sh.D * NR, s_tile, s_ld, false);
+      const bool diagonal = sh.diagonal(a, q0, kb);
+      for (int64_t i = 0; i < n_q; ++i) {
+        A* s = s_tile + i * s_ld;
+        const A block_max = score_row(a, sh, s, b, h, q0 + i, k0, n_keys, diagonal, bias);
+        const A new_max = std::max(row_max[i], block_max);
+        const A alpha = online_softmax_alpha(row_max[i], new_max);
+        const A block_sum = exp_row(s, sh.Bk_pad, softmax_shift(new_max));
+        row_sum[i] = alpha * row_sum[i] + block_sum;
+        row_max[i] = new_max;
+        if (threshold) drop_row(a, s, b, h, q0 + i, k0, n_keys, threshold);
+        if (alpha != A(1)) {
+          A* acc_i = acc + i * sh.Dv_pad;
+          const V alpha_v(alpha);
+          for (int64_t d = 0; d < sh.Dv_pad; d += V::size()) (V::loadu(acc_i + d) * alpha_v).store(acc_i + d);
+        }
+      }
+      tile_gemm<A>(n_q, sh.Dv, n_keys, s_tile, s_ld, 1, pk.vp_keys(bh_kv, k0), NR,
+                   sh.Lk_pad * NR, acc, sh.Dv_pad, true);
+    }
+
+    for (int64_t i = 0; i < n_q; ++i) {
+      const V inv(softmax_inv_sum(row_sum[i]) * out_scale);
+      T* out_i = const_cast<T*>(row_ptr<T>(a.out, b, h, q0 + i));
+      const A* acc_i = acc + i * sh.Dv_pad;
+      int64_t d = 0;
+      for (; d + V::size() <= sh.Dv; d += V::size()) store_acc(out_i + d, V::loadu(acc_i + d) * inv);
+      if (d < sh.Dv) store_acc(out_i + d, V::loadu(acc_i + d) * inv, sh.Dv - d);
+      lse_out[(b * sh.H + h) * sh.Lq + q0 + i] = softmax_lse(row_max[i], row_sum[i]);
+    }
+  });
+}
+
+}  // namespace
+
+void attention_fwd(const AttnArgs& args) {
+  dispatch_dtype(args.dtype, [&](auto tag) { attention_fwd_typed<decltype(tag)>(args); });
+}
+
+}  // namespace fastformer::cpu::CPU_CAPABILITY

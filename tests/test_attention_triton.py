@@ -1,0 +1,268 @@
+"""Triton flash attention, forward and backward, under Triton's interpreter vs eager PyTorch.
+
+Every test forces the triton backend (conftest sets TRITON_INTERPRET=1, so it runs on CPU
+tensors). Oracle (DESIGN.md §5): eager PyTorch autograd in fp64 for fp32 inputs (forward
+atol=rtol=1e-5, gradients 1e-4) and in fp32 for fp16/bf16 inputs, which follow the error-ratio
+rule against eager PyTorch in the same dtype (tests/oracle.py). The interpreter costs
+milliseconds per program, so batch and heads stay small and its blocks are 128 wide; one test
+shrinks the blocks to walk the many-block causal paths that GPUs take.
+"""
+import math
+
+import pytest
+import torch
+from oracle import check
+
+import fastformer as ff
+from fastformer.ops import attention_triton
+from fastformer.ops.attention import dropout_keep_mask
+from fastformer.reference.rng import draw_rng_state
+
+pytest.importorskip("triton")
+tk = pytest.importorskip("fastformer.triton_kernels.attention")
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+DTYPES = [F32, F16, BF16]
+
+
+# ---- oracle ----------------------------------------------------------------------------------
+def eager_attention(q, k, v, *, causal=False, key_padding_mask=None, attn_mask=None, scale=None,
+                    dropout_p=0.0, keep=None):
+    """Attention as a PyTorch user writes it, in q's dtype; rows with no allowed key give 0."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(H // Hkv, 1)
+    v = v.repeat_interleave(H // Hkv, 1)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    allowed = torch.ones(B, H, Lq, Lk, dtype=torch.bool)
+    if causal:
+        shift = Lk - Lq if causal == "bottom_right" else 0
+        allowed &= torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + shift
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        allowed &= attn_mask
+    elif attn_mask is not None:
+        s = s + attn_mask.to(s.dtype)
+    if key_padding_mask is not None:
+        allowed &= ~key_padding_mask[:, None, None, :]
+    s = s.masked_fill(~allowed, float("-inf"))
+    empty = torch.isneginf(s).all(-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    if keep is not None:
+        p = p * keep.to(p.dtype) / (1.0 - dropout_p)
+    return p @ v
+
+
+def _run(fn, q, k, v, dout, **kw):
+    """Forward + backward with upstream grad dout; returns (out, (dq, dk, dv))."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out = fn(*leaves, **kw)
+    return out.detach(), torch.autograd.grad(out, leaves, dout)
+
+
+def run_triton(q, k, v, dout, **kw):
+    """ff.attention forward + backward on the triton backend (kw: its keywords)."""
+    with ff.use_backend("triton"):
+        out, grads = _run(ff.attention, q, k, v, dout, **kw)
+    assert ff.last_dispatch().backend == "triton"
+    return out, grads
+
+
+def triton_forward(q, k, v, **kw):
+    with ff.use_backend("triton"):
+        return ff.attention(q, k, v, **kw)
+
+
+def compare(q, k, v, dout, **kw):
+    """Ours vs the oracle (and vs eager in the same dtype for fp16/bf16); returns ours."""
+    dtype = q.dtype
+    out, grads = run_triton(q, k, v, dout, **{n: a for n, a in kw.items() if n != "keep"})
+    oracle_dtype = torch.float64 if dtype == F32 else F32
+    up = {n: (a.to(oracle_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a)
+          for n, a in kw.items()}
+    out_o, grads_o = _run(eager_attention, *(t.to(oracle_dtype) for t in (q, k, v, dout)), **up)
+    out_l, grads_l = (None, (None,) * 3)
+    if dtype != F32:
+        out_l, grads_l = _run(eager_attention, q, k, v, dout, **kw)
+    check("out", out, out_o, out_l)
+    for name, g, g_o, g_l in zip(("dq", "dk", "dv"), grads, grads_o, grads_l):
+        check(name, g, g_o, g_l, grad=True, atol=1e-4, rtol=1e-4)
+    return out, grads
+
+
+def make_qkv(B, H, Hkv, Lq, Lk, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    return mk(B, H, Lq, D), mk(B, Hkv, Lk, D), mk(B, Hkv, Lk, D), mk(B, H, Lq, D)
+
+
+def padding_mask(B, Lk, seed=1):
+    """Random padding; batch 0 keeps every key, batch 1 (if any) has every key padded."""
+    g = torch.Generator().manual_seed(seed)
+    kpm = torch.rand(B, Lk, generator=g) < 0.3
+    kpm[0] = False
+    if B > 1:
+        kpm[1] = True
+    return kpm
+
+
+# ---- shapes, dtypes, causal alignments -------------------------------------------------------
+# (B, H, Hkv, Lq, Lk, D, causal, scale): each length pair and head dim with several causal modes.
+CASES = [
+    (1, 2, 2, 113, 203, 64, False, None),
+    (1, 2, 2, 203, 113, 40, False, 0.3),
+    (2, 2, 2, 1, 1, 64, False, None),
+    (2, 1, 1, 1, 1, 40, True, None),
+    (2, 2, 2, 17, 17, 80, False, None),
+    (1, 2, 2, 17, 17, 128, True, 0.05),
+    (1, 2, 2, 113, 203, 80, "top_left", None),
+    (1, 2, 2, 203, 113, 128, "top_left", None),
+    (1, 2, 2, 113, 203, 40, "bottom_right", 0.2),
+    (1, 2, 2, 203, 113, 64, "bottom_right", None),  # query rows 0..89 see no key
+    (1, 1, 1, 1, 203, 128, "bottom_right", None),   # one decoding step over a KV cache
+    (1, 1, 1, 250, 250, 64, True, None),            # full (unmasked) blocks left of the diagonal
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("B,H,Hkv,Lq,Lk,D,causal,scale", CASES)
+def test_matches_eager(B, H, Hkv, Lq, Lk, D, causal, scale, dtype):
+    q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype)
+    compare(q, k, v, dout, causal=causal, scale=scale)
+
+
+@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
+@pytest.mark.parametrize("Lq,Lk", [(113, 203), (203, 113)])
+def test_causal_with_small_mixed_blocks(monkeypatch, Lq, Lk, causal):
+    """GPU configs pair different BLOCK_M and BLOCK_N: walk the diagonal with many of them."""
+    monkeypatch.setitem(tk.INTERPRETER_CONFIGS, "fwd", dict(BLOCK_M=32, BLOCK_N=16))
+    monkeypatch.setitem(tk.INTERPRETER_CONFIGS, "dkdv", dict(BLOCK_M=16, BLOCK_N=64))
+    monkeypatch.setitem(tk.INTERPRETER_CONFIGS, "dq", dict(BLOCK_M=64, BLOCK_N=32))
+    q, k, v, dout = make_qkv(1, 1, 1, Lq, Lk, 16, F32)
+    compare(q, k, v, dout, causal=causal, key_padding_mask=padding_mask(1, Lk))
+
+
+# ---- masks -----------------------------------------------------------------------------------
+def attn_mask(kind, B, H, Lq, Lk, dtype, seed=2):
+    """A mask of `kind` (its broadcast shape in the name); float masks hold some -inf."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"batch": (1, H, Lq, Lk), "heads": (B, 1, Lq, Lk), "2d": (Lq, Lk),
+              "rows": (B, H, Lq, 1)}
+    is_bool, where = kind.split("_")
+    shape = shapes[where]
+    if is_bool == "bool":  # "rows": each query row attends to every key or to none
+        return torch.rand(shape, generator=g) < (0.5 if where == "rows" else 0.7)
+    m = torch.randn(shape, generator=g) * 2
+    m = m.masked_fill(torch.rand(shape, generator=g) < 0.2, float("-inf"))
+    return m.to(dtype)
+
+
+MASKS = ["bool_batch", "bool_heads", "bool_2d", "bool_rows", "float_batch", "float_heads",
+         "float_2d"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", MASKS)
+def test_attn_mask(kind, dtype):
+    B, H, Lq, Lk, D = 2, 2, 113, 203, 64
+    q, k, v, dout = make_qkv(B, H, H, Lq, Lk, D, dtype)
+    mask = attn_mask(kind, B, H, Lq, Lk, dtype if dtype != F16 else F32)
+    compare(q, k, v, dout, attn_mask=mask, causal="bottom_right" if kind == "float_2d" else False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, "top_left"])
+def test_key_padding_mask(dtype, causal):
+    B, H, Lq, Lk, D = 3, 2, 203, 113, 80
+    q, k, v, dout = make_qkv(B, H, H, Lq, Lk, D, dtype)
+    compare(q, k, v, dout, key_padding_mask=padding_mask(B, Lk), causal=causal)
+
+
+def test_fully_masked_rows_give_zeros_and_zero_grads():
+    B, H, Lq, Lk, D = 2, 2, 203, 113, 40
+    q, k, v, dout = make_qkv(B, H, H, Lq, Lk, D, F32)
+    kpm = padding_mask(B, Lk)                      # batch 1: every key padded
+    mask = torch.rand(B, 1, Lq, Lk) < 0.8
+    mask[0, :, 5] = False                          # batch 0, query 5: every key masked
+    out, (dq, dk, dv) = compare(q, k, v, dout, key_padding_mask=kpm, attn_mask=mask,
+                                causal="bottom_right")  # batch 0, queries 0..89: no key
+    causal = torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + (Lk - Lq)
+    empty = ~(mask & causal & ~kpm[:, None, None, :]).any(-1).expand(B, H, Lq)
+    assert empty[1].all() and empty[0, :, 5].all() and empty[0, :, :Lq - Lk].all()
+    for name, t in (("out", out), ("dq", dq)):
+        assert torch.isfinite(t).all(), name
+        assert (t[empty] == 0).all(), f"{name} is not 0 on fully masked rows"
+    assert (dk[1] == 0).all() and (dv[1] == 0).all(), "padded keys must get zero grads"
+    _, lse = attention_triton.attention_fwd(q, k, v, mask.expand(B, H, Lq, Lk), kpm, 2,
+                                            D ** -0.5, 0.0, None)
+    assert torch.isposinf(lse[empty]).all() and torch.isfinite(lse[~empty]).all()
+
+
+# ---- GQA / MQA, layouts, the custom-op route -------------------------------------------------
+@pytest.mark.parametrize("H,Hkv,dtype", [(8, 2, F32), (8, 2, BF16), (4, 1, F16)], ids=str)
+def test_grouped_and_multi_query(H, Hkv, dtype):
+    B, Lq, Lk, D = 2, 113, 203, 64
+    q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype)
+    compare(q, k, v, dout, causal="bottom_right", key_padding_mask=padding_mask(B, Lk, seed=3))
+
+
+@pytest.mark.parametrize("grad_layout", ["heads_major", "last_dim_strided"])
+def test_strided_inputs_and_grad(grad_layout):
+    """(B, L, H, D) activations viewed as (B, H, L, D), and a non-contiguous upstream grad."""
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 113, 113, 64
+    q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, F32)
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    if grad_layout == "heads_major":
+        dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
+    else:
+        dout = dout.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert not q.is_contiguous() and not dout.is_contiguous()
+    out, _ = compare(q, k, v, dout, causal=True)
+    assert out.transpose(1, 2).is_contiguous()  # stored (B, Lq, H, D), as _out_like says
+
+
+def test_custom_op_route(monkeypatch):
+    """FASTFORMER_EAGER_VIA_OPS=1: torch.ops.fastformer.attention_fwd/bwd run the same kernels."""
+    q, k, v, dout = make_qkv(1, 2, 1, 17, 113, 40, F32)
+    eager_route = run_triton(q, k, v, dout, causal="bottom_right")
+    monkeypatch.setenv("FASTFORMER_EAGER_VIA_OPS", "1")
+    ff.backends.reload_env()
+    try:
+        op_route = run_triton(q, k, v, dout, causal="bottom_right")
+    finally:
+        monkeypatch.delenv("FASTFORMER_EAGER_VIA_OPS")
+        ff.backends.reload_env()
+    assert torch.equal(eager_route[0], op_route[0])
+    for a, b in zip(eager_route[1], op_route[1]):
+        assert torch.equal(a, b)
+
+
+# ---- dropout ---------------------------------------------------------------------------------
+def test_dropout_mask_is_the_reference_rng_bit_for_bit():
+    """With v = I the output is P * keep / (1 - p): its zeros are the kernel's dropped entries.
+    The offset starts just below 2**32, so counters carry into the high Philox word."""
+    B, H, L, p = 2, 3, 64, 0.4
+    q, k, _, _ = make_qkv(B, H, H, L, L, L, F32)
+    v = torch.eye(L).expand(B, H, L, L)
+    rng_state = torch.tensor([2**40 + 12345, 2**32 - 5000], dtype=torch.int64)
+    out, _ = attention_triton.attention_fwd(q * 0.1, k, v, None, None, 0, 0.125, p, rng_state)
+    keep = dropout_keep_mask(rng_state, (B, H, L, L), p)
+    assert torch.equal(out != 0, keep)
+    assert 0.5 < keep.float().mean() < 0.7
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_dropout_reproducible_and_matches_eager_with_its_mask(dtype):
+    B, H, Hkv, Lq, Lk, D, p = 2, 4, 2, 113, 203, 64, 0.3
+    q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype)
+    kw = dict(causal="bottom_right", key_padding_mask=padding_mask(B, Lk), dropout_p=p)
+    torch.manual_seed(7)
+    out = triton_forward(q, k, v, **kw)
+    torch.manual_seed(7)
+    assert torch.equal(out, triton_forward(q, k, v, **kw)), "same RNG state, same output"
+    assert not torch.equal(out, triton_forward(q, k, v, **kw)), "the next call draws a new mask"
+
+    torch.manual_seed(7)
+    keep = dropout_keep_mask(draw_rng_state(), (B, H, Lq, Lk), p)
+    torch.manual_seed(7)
+    compare(q, k, v, dout, keep=keep, **kw)
