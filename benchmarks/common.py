@@ -65,23 +65,35 @@ def time_candidates(fns: dict, device: str = "cpu", rounds: int = ROUNDS) -> dic
         return out
     from torch.utils.benchmark import Timer
     threads = torch.get_num_threads()
-    timers, numbers = {}, {}
+    timers, numbers, slow = {}, {}, set()
     for name, fn in fns.items():
-        # Warm-up of >= 0.2 s: the allocator must reach steady state (a fresh 16 MB output costs
-        # page faults until the heap has grown, measured 2x slower for the first ~10 calls).
+        # Warm-up of >= 0.2 s (at least 2 calls; 1 for calls over a second): the allocator
+        # must reach steady state (a fresh 16 MB output costs page faults until the heap has
+        # grown, measured 2x slower for the first ~10 calls).
         start, calls = time.perf_counter(), 0
-        while calls < 3 or time.perf_counter() - start < 0.2:
+        while calls < 2 or time.perf_counter() - start < 0.2:
             fn()
             calls += 1
+            if time.perf_counter() - start > 1.0:
+                break
         per_call = (time.perf_counter() - start) / calls
+        if per_call > 1.0:
+            slow.add(name)  # single timed calls (Timer.timeit adds 2 warm-up calls per round)
         numbers[name] = max(1, int(TARGET_S / max(per_call, 1e-7)))
         timers[name] = Timer("fn()", globals={"fn": fn}, num_threads=threads)
+    if slow:
+        rounds = min(rounds, 3)
     samples = {name: [] for name in fns}
     names = list(fns)
     for r in range(rounds):
         order = names[r % len(names):] + names[: r % len(names)]
         for name in order:
-            samples[name].append(timers[name].timeit(numbers[name]).median)
+            if name in slow:
+                start = time.perf_counter()
+                fns[name]()
+                samples[name].append(time.perf_counter() - start)
+            else:
+                samples[name].append(timers[name].timeit(numbers[name]).median)
     return {name: 1e3 * statistics.median(v) for name, v in samples.items()}
 
 

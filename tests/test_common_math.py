@@ -89,7 +89,7 @@ def test_activation_grad_is_derivative_of_value(harness, act):
     x = x[x.abs() > 1e-3]  # relu's kink
     h = 1e-6
     out = harness(*(f"act {act} d {len(x)} {_fmt(x + d)}" for d in (h, -h, 0.0)))
-    plus, minus, at = (torch.tensor(o).reshape(-1, 2) for o in out)
+    plus, minus, at = (torch.tensor(o, dtype=torch.float64).reshape(-1, 2) for o in out)
     torch.testing.assert_close((plus[:, 0] - minus[:, 0]) / (2 * h), at[:, 1], atol=1e-7, rtol=1e-7)
 
 

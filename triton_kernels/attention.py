@@ -295,22 +295,22 @@ def _dkdv_query_blocks(dk, dv, k, v, k_idx, q_head, do_head, q_offs, do_offs, ls
                                  HEAD_DIM, BLOCK_D, True), INTERPRET)
         lse2 = tl.load(lse_head + q_idx, mask=q_idx < Lq, other=float("inf")) * LOG2E
         delta = tl.load(delta_head + q_idx, mask=q_idx < Lq, other=0.0)
-        qk_t = tl.dot(k, tl.trans(q), input_precision="ieee")
-        t_t = _scores(qk_t, q_idx[None, :], k_idx[:, None], mask_head + m64 * stride_mm + mask_offs,
-                      kpm_ptrs, Lq, Lk, causal_shift, qk_scale, CAUSAL, MASK_KIND, HAS_KPM, EDGE)
-        p_t = tl.exp2(t_t - lse2[None, :])
-        dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
+        qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        t = _scores(qk, q_idx[:, None], k_idx[None, :], mask_head + m64 * stride_mm + mask_offs,
+                    kpm_ptrs, Lq, Lk, causal_shift, qk_scale, CAUSAL, MASK_KIND, HAS_KPM, EDGE)
+        p = tl.exp2(t - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         if DROPOUT:
-            keep = _dropout_keep(seed, rng_head + q_idx.to(tl.int64)[None, :] * Lk,
-                                 k_idx[:, None], drop_threshold)
-            p_drop_t = tl.where(keep, p_t * drop_scale, 0.0)
-            dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
+            keep = _dropout_keep(seed, rng_head + q_idx.to(tl.int64)[:, None] * Lk,
+                                 k_idx[None, :], drop_threshold)
+            p_drop = tl.where(keep, p * drop_scale, 0.0)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
         else:
-            p_drop_t = p_t
-        dv = tl.dot(_operand(cast_to(p_drop_t, do.dtype, INTERPRET), INTERPRET), do, dv,
+            p_drop = p
+        dv = tl.dot(tl.trans(_operand(cast_to(p_drop, do.dtype, INTERPRET), INTERPRET)), do, dv,
                     input_precision="ieee")
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(_operand(cast_to(ds_t, q.dtype, INTERPRET), INTERPRET), q, dk,
+        ds = p * (dp - delta[:, None])
+        dk = tl.dot(tl.trans(_operand(cast_to(ds, q.dtype, INTERPRET), INTERPRET)), q, dk,
                     input_precision="ieee")
     return dk, dv
 
@@ -351,8 +351,8 @@ def attn_bwd_dkdv_kernel(
                             HEAD_DIM, BLOCK_D, True), INTERPRET)
     q_offs = offs_m[:, None] * stride_qm + cols[None, :]
     do_offs = offs_m[:, None] * stride_dom + cols[None, :]
-    mask_offs = offs_m[None, :] * stride_mm + offs_n[:, None] * stride_mn  # transposed tile
-    kpm_ptrs = (kpm_ptr + b * stride_kpb + n64 * stride_kpn + offs_n * stride_kpn)[:, None]
+    mask_offs = offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
+    kpm_ptrs = (kpm_ptr + b * stride_kpb + n64 * stride_kpn + offs_n * stride_kpn)[None, :]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 

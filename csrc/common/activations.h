@@ -67,40 +67,55 @@ struct ValueGrad {
   V grad;   // act'(x)
 };
 
-// act(x).
+namespace act_detail {
+using namespace act_const;
+template <typename V, typename M>
+FF_HOST_DEVICE V gelu_cdf(const V& x) {  // Phi(x)
+  return V(0.5) * (V(1.0) + M::erf(x * V(kInvSqrt2)));
+}
+template <typename V, typename M>
+FF_HOST_DEVICE V gelu_tanh_t(const V& x, const V& x_sq) {  // tanh(u)
+  return M::tanh(V(kSqrt2OverPi) * (x + V(kTanhCubic) * x_sq * x));
+}
+template <typename V, typename M>
+FF_HOST_DEVICE V sigmoid(const V& x) {
+  return V(1.0) / (V(1.0) + M::exp(V(0.0) - x));
+}
+}  // namespace act_detail
+
+// act(x); bit-identical to activation_value_grad(x).value.
 template <Activation A, typename V, typename M = ActMath<V>>
 FF_HOST_DEVICE V activation(const V& x) {
-  using namespace act_const;
+  using namespace act_detail;
   if constexpr (A == Activation::relu) {
     return M::relu(x);
   } else if constexpr (A == Activation::gelu) {
-    return V(0.5) * x * (V(1.0) + M::erf(x * V(kInvSqrt2)));
+    return x * gelu_cdf<V, M>(x);
   } else if constexpr (A == Activation::gelu_tanh) {
-    const V u = V(kSqrt2OverPi) * (x + V(kTanhCubic) * x * x * x);
-    return V(0.5) * x * (V(1.0) + M::tanh(u));
+    return (V(0.5) * x) * (V(1.0) + gelu_tanh_t<V, M>(x, x * x));
   } else {
-    return x / (V(1.0) + M::exp(V(0.0) - x));
+    return x * sigmoid<V, M>(x);
   }
 }
 
 // act(x) and act'(x), sharing the transcendental functions.
 template <Activation A, typename V, typename M = ActMath<V>>
 FF_HOST_DEVICE ValueGrad<V> activation_value_grad(const V& x) {
-  using namespace act_const;
+  using namespace act_detail;
   if constexpr (A == Activation::relu) {
     return {M::relu(x), M::step(x)};
   } else if constexpr (A == Activation::gelu) {
-    const V cdf = V(0.5) * (V(1.0) + M::erf(x * V(kInvSqrt2)));
+    const V cdf = gelu_cdf<V, M>(x);
     const V pdf = V(kInvSqrt2Pi) * M::exp(V(-0.5) * x * x);
     return {x * cdf, cdf + x * pdf};
   } else if constexpr (A == Activation::gelu_tanh) {
     const V x_sq = x * x;
-    const V t = M::tanh(V(kSqrt2OverPi) * (x + V(kTanhCubic) * x_sq * x));
+    const V t = gelu_tanh_t<V, M>(x, x_sq);
     const V half_x = V(0.5) * x;
     const V du_dx = V(kSqrt2OverPi) * (V(1.0) + V(3.0 * kTanhCubic) * x_sq);
     return {half_x * (V(1.0) + t), V(0.5) * (V(1.0) + t) + half_x * (V(1.0) - t * t) * du_dx};
   } else {
-    const V s = V(1.0) / (V(1.0) + M::exp(V(0.0) - x));
+    const V s = sigmoid<V, M>(x);
     return {x * s, s * (V(1.0) + x * (V(1.0) - s))};
   }
 }

@@ -1,0 +1,118 @@
+"""Attention suite: ff.attention vs torch's F.scaled_dot_product_attention vs eager math.
+
+FLOPs: forward 4*B*H*L*L*D (half when causal), backward 2.5x the forward. Eager math is
+softmax(q k^T / sqrt(d)) v with the score matrix materialized.
+
+Baselines that would take longer than BUDGET_S per call are skipped with their estimate: torch's
+bf16 matmul runs at ~1 GFLOP/s on CPUs without AVX512-BF16/AMX (this one), so eager bf16 at
+L = 4096 would take minutes per call. Estimates come from each candidate's throughput on a
+calibration shape measured in the same run.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+import fastformer as ff
+
+from .common import Row, max_abs_err
+
+SHAPES = [(8, 12, 128, 64), (4, 8, 512, 64), (1, 8, 2048, 64), (1, 16, 4096, 128)]
+MEMORY_SHAPE = (1, 8, 8192, 64)  # fwd+bwd peak memory: the score matrix alone would be 2 GiB
+BUDGET_S = float(os.environ.get("FASTFORMER_BENCH_BUDGET_S", "20"))
+CALIBRATION = (1, 4, 256, 64)
+
+
+def eager_math(q, k, v, causal):
+    s = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        L, S = s.shape[-2:]
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.matmul(torch.softmax(s, dim=-1), v)
+
+
+CANDIDATES = {
+    "ours": lambda q, k, v, c: ff.attention(q, k, v, causal=c),
+    "sdpa": lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+    "eager": eager_math,
+}
+
+
+def flops(shape, causal, mode):
+    B, H, L, D = shape
+    f = 4 * B * H * L * L * D / (2 if causal else 1)
+    return f * (3.5 if mode == "fwd+bwd" else 1.0)
+
+
+def _step(fn, q, k, v, causal, mode, grad_out):
+    if mode == "fwd":
+        return lambda: fn(q, k, v, causal)
+    return lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), grad_out)
+
+
+_rates: dict = {}
+
+
+def _rate(name, dtype, mode, device):
+    """GFLOP/s of a candidate on the calibration shape (measured once per run)."""
+    key = (name, dtype, mode)
+    if key not in _rates:
+        q, k, v = [torch.randn(CALIBRATION, dtype=dtype, device=device, requires_grad=mode != "fwd")
+                   for _ in range(3)]
+        fn = _step(CANDIDATES[name], q, k, v, False, mode, torch.randn_like(q))
+        fn()
+        start = time.perf_counter()
+        fn()
+        _rates[key] = flops(CALIBRATION, False, mode) / (time.perf_counter() - start) / 1e9
+    return _rates[key]
+
+
+def cases(device: str, dtypes: list, quick: bool = False):
+    shapes = SHAPES[:2] if quick else SHAPES
+    for shape in shapes:
+        for dtype in dtypes:
+            for causal in (False, True):
+                for mode in ("fwd", "fwd+bwd"):
+                    yield dict(shape=shape, dtype=dtype, causal=causal, mode=mode, device=device)
+    if not quick and torch.float32 in dtypes:
+        yield dict(shape=MEMORY_SHAPE, dtype=torch.float32, causal=False, mode="fwd+bwd",
+                   device=device, memory_only=True)
+
+
+def build(c: dict):
+    shape, dtype, causal, mode, device = c["shape"], c["dtype"], c["causal"], c["mode"], c["device"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = [torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+               .requires_grad_(mode != "fwd") for _ in range(3)]
+    grad_out = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    work = flops(shape, causal, mode)
+    fns, notes = {}, []
+    names = ["ours", "sdpa"] if c.get("memory_only") else list(CANDIDATES)
+    for name in names:
+        est = work / 1e9 / _rate(name, dtype, mode, device)
+        if name != "ours" and est > BUDGET_S:
+            notes.append(f"{name} skipped (est. {est:.0f} s/call at {_rate(name, dtype, mode, device):.2f} "
+                         f"GFLOP/s measured on {CALIBRATION})")
+            continue
+        fns[name] = _step(CANDIDATES[name], q, k, v, causal, mode, grad_out)
+    if c.get("memory_only"):
+        notes.append("memory case: peak MiB beyond inputs (outputs and grads: "
+                     f"{4 * q.numel() * 4 / 2**20:.0f} MiB of it)")
+
+    def error():
+        with torch.no_grad():
+            qd, kd, vd = (t.detach() for t in (q, k, v))
+            ours = CANDIDATES["ours"](qd, kd, vd, causal)
+            if c.get("memory_only"):
+                return None
+            ref_dtype = torch.float64 if device == "cpu" else torch.float32
+            return max_abs_err(ours, eager_math(qd.to(ref_dtype), kd.to(ref_dtype), vd.to(ref_dtype), causal))
+
+    B, H, L, D = shape
+    row = Row("attention", f"({B}, {H}, {L}, {D}){' causal' if causal else ''}",
+              str(dtype).replace("torch.", ""), mode, {}, {"flops": work}, note="; ".join(notes))
+    return fns, row, error
