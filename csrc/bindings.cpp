@@ -377,6 +377,36 @@ std::vector<Tensor> attention_bwd(const Tensor& dout, const Tensor& q, const Ten
   return {dq, dk, dv};
 }
 
+// ---- rotary position embedding ----------------------------------------------------------------
+Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved, bool conj) {
+  TORCH_CHECK(x.device().is_cpu(), "fastformer._C.rotary: expected CPU tensors (no CUDA kernel; "
+              "CUDA tensors run the Triton one)");
+  TORCH_CHECK(x.dim() == 4 && (x.size(3) <= 1 || x.stride(3) == 1),
+              "fastformer._C.rotary: x must be 4-D with a contiguous last dim");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+                  cos.dim() == 2 && cos.size(0) == x.size(2) && 2 * cos.size(1) <= x.size(3) &&
+                  cos.scalar_type() == stats_dtype(x) && sin.scalar_type() == stats_dtype(x),
+              "fastformer._C.rotary: cos and sin must be contiguous (L, R/2) tables in the "
+              "accumulation dtype");
+  cpu::RotaryArgs a;
+  a.dtype = to_dtype(x);
+  a.B = x.size(0); a.H = x.size(1); a.L = x.size(2); a.D = x.size(3);
+  a.rot_dim = 2 * cos.size(1);
+  // (B, H, L, D) stored as (B, L, H, D), the layout of the projection the heads come from.
+  Tensor out = at::empty({a.B, a.L, a.H, a.D}, x.options()).transpose(1, 2);
+  a.x = view4(x);
+  a.out = view4(out);
+  a.cos = cos.data_ptr();
+  a.sin = sin.data_ptr();
+  a.interleaved = interleaved;
+  a.conj = conj;
+  if (out.numel() > 0) {
+    py::gil_scoped_release no_gil;
+    kernels().rotary(a);
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace fastformer
 
@@ -389,4 +419,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("add_norm_bwd", &add_norm_bwd);
   m.def("attention_fwd", &attention_fwd);
   m.def("attention_bwd", &attention_bwd);
+  m.def("rotary", &rotary);
 }

@@ -156,6 +156,10 @@ _ATTN_CUDA_FEATURES = frozenset({"causal_top_left", "causal_bottom_right", "key_
                                  "gqa"})
 
 
+# Rotary embedding: every kernel takes both pair layouts and partial rotation (R < D).
+_ROTARY_FEATURES = frozenset({"interleaved"})
+
+
 _REGISTRY = {
     "cuda": Backend(
         "cuda", lambda: frozenset({"cuda"}), _cuda_availability,
@@ -170,12 +174,14 @@ _REGISTRY = {
         ops={
             "add_norm": OpSupport(frozenset({F16, BF16, F32}), _NORM_FEATURES, max_hidden=16384),
             "attention": OpSupport(frozenset({F16, BF16, F32}), _ATTN_FEATURES, head_dims=(16, 256)),
+            "rotary": OpSupport(frozenset({F16, BF16, F32}), _ROTARY_FEATURES),
         }),
     "cpu": Backend(
         "cpu", lambda: frozenset({"cpu"}), _cpu_availability,
         ops={
             "add_norm": OpSupport(_ALL_FLOAT, _NORM_FEATURES | {"rows_strided"}),
             "attention": OpSupport(_ALL_FLOAT, _ATTN_FEATURES, head_dims=(1, 256)),
+            "rotary": OpSupport(_ALL_FLOAT, _ROTARY_FEATURES),
         }),
     "reference": Backend(
         "reference", lambda: frozenset({"cpu", "cuda", "mps", "xpu", "meta"}), lambda: None,
@@ -183,6 +189,7 @@ _REGISTRY = {
             "add_norm": OpSupport(_ALL_FLOAT, _NORM_FEATURES | {"rows_strided", "last_dim_strided"}),
             "attention": OpSupport(_ALL_FLOAT, _ATTN_FEATURES | {"v_head_dim_differs",
                                                                 "last_dim_strided"}),
+            "rotary": OpSupport(_ALL_FLOAT, _ROTARY_FEATURES | {"last_dim_strided"}),
         }),
 }
 

@@ -94,12 +94,26 @@ struct AttnArgs {
   View4 dq, dk, dv;                  // outputs, same shapes as q, k, v
 };
 
+// ---- rotary position embedding -----------------------------------------------------------------
+struct RotaryArgs {
+  DType dtype;                       // x and out; the tables are f32 (f64 for f64)
+  int64_t B = 0, H = 0, L = 0, D = 0;
+  int64_t rot_dim = 0;               // R: channels rotated (even, <= D); the rest pass through
+  View4 x;                           // (B, H, L, D), d stride 1
+  View4 out;                         // (B, H, L, D), d stride 1 (written)
+  const void* cos = nullptr;         // (L, R/2) contiguous
+  const void* sin = nullptr;         // (L, R/2) contiguous
+  bool interleaved = false;          // pairs (2i, 2i+1) instead of (i, i + R/2)
+  bool conj = false;                 // rotate by -theta (the backward)
+};
+
 // X-macro list of kernels: X(name, ArgsType). Add a kernel here and in one .cpp file.
 #define FF_CPU_KERNELS(X)          \
   X(add_norm_fwd, NormFwdArgs)     \
   X(add_norm_bwd, NormBwdArgs)     \
   X(attention_fwd, AttnArgs)       \
-  X(attention_bwd, AttnArgs)
+  X(attention_bwd, AttnArgs)        \
+  X(rotary, RotaryArgs)
 
 #define FF_DECLARE_KERNEL(name, Args) void name(const Args& args);
 #define FF_DECLARE_LEVEL(LEVEL) \
