@@ -12,7 +12,11 @@ from .modules.attention import MultiheadAttention  # noqa: E402
 from .modules.norm import LayerNorm, RMSNorm  # noqa: E402
 from .modules.positional import (LearnedPositionalEncoding, RotaryEmbedding,  # noqa: E402
                                  SinusoidalPositionalEncoding)
+from .modules.transformer import (Transformer, TransformerDecoder,  # noqa: E402
+                                  TransformerDecoderLayer, TransformerEncoder,
+                                  TransformerEncoderLayer)
 from .ops.attention import attention  # noqa: E402
+from .ops.ffn import ffn, swiglu_ffn  # noqa: E402
 from .ops.norm import add_layer_norm, layer_norm, rms_norm  # noqa: E402
 from .ops.rotary import apply_rotary  # noqa: E402
 from .ops.sdpa import SDPAError, patch_sdpa, scaled_dot_product_attention  # noqa: E402
@@ -21,6 +25,8 @@ __all__ = [
     "__version__", "backends", "info", "available_backends", "last_dispatch", "use_backend",
     "add_layer_norm", "layer_norm", "rms_norm", "LayerNorm", "RMSNorm",
     "attention", "scaled_dot_product_attention", "patch_sdpa", "SDPAError",
-    "apply_rotary", "MultiheadAttention",
+    "ffn", "swiglu_ffn", "apply_rotary",
+    "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
+    "TransformerEncoder", "TransformerDecoder", "Transformer",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryEmbedding",
 ]
