@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 from . import backends  # noqa: E402
 from ._info import info  # noqa: E402
 from .backends import available_backends, last_dispatch, use_backend  # noqa: E402
+from .convert import convert  # noqa: E402
 from .modules.attention import MultiheadAttention  # noqa: E402
 from .modules.norm import LayerNorm, RMSNorm  # noqa: E402
 from .modules.positional import (LearnedPositionalEncoding, RotaryEmbedding,  # noqa: E402
@@ -29,4 +30,5 @@ __all__ = [
     "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
     "TransformerEncoder", "TransformerDecoder", "Transformer",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryEmbedding",
+    "convert",
 ]

@@ -1,0 +1,178 @@
+"""ff.convert: swap torch.nn Transformer building blocks in an existing model for fastformer's.
+
+Replaced (exact types only): ``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``,
+``nn.TransformerDecoderLayer``, ``nn.LayerNorm`` (and ``nn.RMSNorm``). A replacement adopts the
+original's parameter and buffer *objects* (no copy: same values, device, dtype,
+``requires_grad``, and an optimizer built before the conversion keeps working), its
+``nn.Linear`` and ``nn.Dropout`` children, its hyper-parameters (eps, dropout probabilities,
+activation, norm_first, batch_first) and its train/eval mode. Containers such as
+``nn.TransformerEncoder`` stay as they are and call the converted layers.
+
+Left alone, with the reason in the report: subclasses of those types (their forward may
+differ), modules with forward hooks (they would silently stop firing), and
+``nn.MultiheadAttention`` with ``add_bias_kv`` / ``add_zero_attn``. Their children are still
+visited.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .modules.attention import MultiheadAttention
+from .modules.norm import LayerNorm, RMSNorm
+from .modules.transformer import TransformerDecoderLayer, TransformerEncoderLayer
+
+_META = torch.device("meta")
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert` did. ``model`` is the converted model (the argument itself when
+    converted in place, unless the argument's own type was replaced)."""
+
+    model: nn.Module
+    replaced: list = field(default_factory=list)  # (path, old type, new type)
+    left: list = field(default_factory=list)      # (path, type, reason)
+
+    def __str__(self) -> str:
+        lines = [f"fastformer.convert: replaced {len(self.replaced)} module(s), left "
+                 f"{len(self.left)}"]
+        rows = [("replaced", path or "<root>", f"{old} -> {new}") for path, old, new in self.replaced]
+        rows += [("left", path or "<root>", f"{kind}: {why}") for path, kind, why in self.left]
+        width = max((len(r[1]) for r in rows), default=0)
+        lines += [f"  {verb:<8}  {path:<{width}}  {what}" for verb, path, what in rows]
+        return "\n".join(lines)
+
+
+def _type_name(m: nn.Module) -> str:
+    cls = type(m)
+    prefix = "nn" if cls.__module__.startswith("torch.nn") else cls.__module__
+    return f"{prefix}.{cls.__name__}"
+
+
+def _adopt_state(new: nn.Module, old: nn.Module) -> nn.Module:
+    """Give `new` the parameter and buffer objects of `old` (same names), and its mode."""
+    for name in list(new._parameters):
+        new._parameters[name] = old._parameters.get(name)
+    for name in list(new._buffers):
+        new._buffers[name] = old._buffers.get(name)
+    new.train(old.training)
+    return new
+
+
+def _norm(old: nn.Module) -> nn.Module:
+    if isinstance(old, nn.RMSNorm):
+        new = RMSNorm(old.normalized_shape, old.eps, old.elementwise_affine, device=_META)
+    else:
+        new = LayerNorm(old.normalized_shape, old.eps, old.elementwise_affine,
+                        bias=old.bias is not None, device=_META)
+    return _adopt_state(new, old)
+
+
+def _mha(old: nn.MultiheadAttention) -> MultiheadAttention:
+    new = MultiheadAttention(old.embed_dim, old.num_heads, old.dropout, old.in_proj_bias is not None,
+                             kdim=old.kdim, vdim=old.vdim, batch_first=old.batch_first,
+                             device=_META)
+    _adopt_state(new, old)
+    new.out_proj = old.out_proj
+    return new
+
+
+_CHILDREN_KEPT = ("linear1", "dropout", "linear2", "dropout1", "dropout2", "dropout3")
+
+
+def _layer(old: nn.Module, new_cls, convert_child) -> nn.Module:
+    """An ff layer holding old's children (attention and norms converted when possible)."""
+    attn = old.self_attn
+    new = new_cls(attn.embed_dim, attn.num_heads, old.linear1.out_features, device=_META,
+                  batch_first=attn.batch_first, bias=old.linear1.bias is not None)
+    for name, child in old.named_children():
+        if name not in new._modules:
+            raise AssertionError(f"fastformer.convert: unexpected child {name!r} of "
+                                 f"{_type_name(old)}")
+        setattr(new, name, child if name in _CHILDREN_KEPT else convert_child(name, child))
+    new.norm_first = old.norm_first
+    new.activation = old.activation
+    new.activation_relu_or_gelu = getattr(old, "activation_relu_or_gelu", 0)
+    return new.train(old.training)
+
+
+_CONVERTERS = {
+    nn.MultiheadAttention: lambda old, convert_child: _mha(old),
+    nn.TransformerEncoderLayer: lambda old, convert_child: _layer(old, TransformerEncoderLayer,
+                                                                  convert_child),
+    nn.TransformerDecoderLayer: lambda old, convert_child: _layer(old, TransformerDecoderLayer,
+                                                                  convert_child),
+    nn.LayerNorm: lambda old, convert_child: _norm(old),
+    nn.RMSNorm: lambda old, convert_child: _norm(old),
+}
+_FASTFORMER = (MultiheadAttention, LayerNorm, RMSNorm, TransformerEncoderLayer,
+               TransformerDecoderLayer)
+
+
+def _why_not(m: nn.Module):
+    """None if `m` is replaced; else the reason (or '' for a module that is no candidate)."""
+    if isinstance(m, _FASTFORMER):
+        return ""
+    base = next((t for t in _CONVERTERS if isinstance(m, t)), None)
+    if base is None:
+        return ""
+    if type(m) is not base:
+        return f"a subclass of nn.{base.__name__} (its forward may differ)"
+    if m._forward_hooks or m._forward_pre_hooks:
+        return "has forward hooks, which a replacement would not run"
+    if isinstance(m, nn.MultiheadAttention) and (m.bias_k is not None or m.add_zero_attn):
+        return "add_bias_kv / add_zero_attn are not supported by ff.MultiheadAttention"
+    return None
+
+
+def convert(model: nn.Module, inplace: bool = True) -> ConversionReport:
+    """Replace torch.nn Transformer blocks inside ``model`` by fastformer's (see module doc).
+
+    Args:
+        model: any nn.Module.
+        inplace: convert ``model`` itself (default); ``False`` converts a deep copy.
+
+    Returns:
+        A :class:`ConversionReport`: ``.model`` (the converted model), ``.replaced`` and
+        ``.left`` (path, type, reason); ``print(report)`` shows both. When ``model`` itself is
+        one of the replaced types, ``.model`` is the new module and ``model`` is unchanged.
+
+    Example::
+
+        report = ff.convert(model)      # model's layers now run fastformer kernels
+        print(report)
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert: `model` must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"convert: `inplace` must be a bool, got {type(inplace).__name__}")
+    if not inplace:
+        model = copy.deepcopy(model)
+    report = ConversionReport(model)
+
+    def visit(path: str, module: nn.Module) -> nn.Module:
+        why = _why_not(module)
+        if why is None:
+            entry = len(report.replaced)  # listed before the children it converts
+            report.replaced.append(None)
+            new = _CONVERTERS[type(module)](
+                module, lambda name, child: visit(f"{path}.{name}" if path else name, child))
+            report.replaced[entry] = (path, _type_name(module), f"ff.{type(new).__name__}")
+            return new
+        if why:
+            report.left.append((path, _type_name(module), why))
+        for name, child in list(module.named_children()):
+            new_child = visit(f"{path}.{name}" if path else name, child)
+            if new_child is not child:
+                setattr(module, name, new_child)
+        return module
+
+    report.model = visit("", model)
+    return report
+
+
+__all__ = ["convert", "ConversionReport"]
