@@ -170,9 +170,10 @@ template <typename A>
 constexpr A kLn2 = A(0.6931471805599453);
 
 // 2^x for x <= 0 (scores minus the row max, log2 units). AVX2/AVX-512 fp32: floor/fraction
-// split, degree-5 polynomial for 2^f on [0, 1) (2.3e-7 max relative error in fp32, fitted
-// here), exponent bits from the integer part; x <= -127 gives exactly 0 (masked scores are
-// -inf), NaN stays NaN. Other levels and fp64: Sleef's exp2.
+// split, degree-5 polynomial for 2^f on [0, 1) fitted here with p(0) = 1 and p(1) = 2 exact
+// (2.0e-7 max relative error in fp32; exact at 0 so that a row's max element has P = 1 and a
+// single-key row has dS = 0 exactly), exponent bits from the integer part; x <= -127 gives
+// exactly 0 (masked scores are -inf), NaN stays NaN. Other levels and fp64: Sleef's exp2.
 template <typename A>
 inline Vectorized<A> exp2_nonpositive(const Vectorized<A>& x) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -181,12 +182,12 @@ inline Vectorized<A> exp2_nonpositive(const Vectorized<A>& x) {
     const V xc = at::vec::maximum(x, V(-127.0f));  // at::vec::maximum propagates NaN
     const V n = xc.floor();
     const V f = xc - n;
-    V p(0.001875377492979169f);
-    p = at::vec::fmadd(p, f, V(0.008987249806523323f));
-    p = at::vec::fmadd(p, f, V(0.05583598092198372f));
-    p = at::vec::fmadd(p, f, V(0.2401464879512787f));
-    p = at::vec::fmadd(p, f, V(0.6931547522544861f));
-    p = at::vec::fmadd(p, f, V(0.9999998211860657f));
+    V p(0.00187831767834723f);
+    p = at::vec::fmadd(p, f, V(0.008990056812763214f));
+    p = at::vec::fmadd(p, f, V(0.0558231920003891f));
+    p = at::vec::fmadd(p, f, V(0.2401561290025711f));
+    p = at::vec::fmadd(p, f, V(0.6931523084640503f));
+    p = at::vec::fmadd(p, f, V(1.0f));
 #if defined(CPU_CAPABILITY_AVX2)
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return p * V(_mm256_castsi256_ps(e));
