@@ -5,7 +5,8 @@ tensors). Oracle (DESIGN.md §5): eager PyTorch autograd in fp64 for fp32 inputs
 atol=rtol=1e-5, gradients 1e-4) and in fp32 for fp16/bf16 inputs, which follow the error-ratio
 rule against eager PyTorch in the same dtype (tests/oracle.py). The interpreter costs
 milliseconds per program, so batch and heads stay small and its blocks are 128 wide; one test
-shrinks the blocks to walk the many-block causal paths that GPUs take.
+shrinks the blocks to walk the many-block causal paths that GPUs take. The `gpu` tests at the
+end run the compiled kernels on CUDA tensors (TRITON_INTERPRET=0, benchmarks/gpu_check.sh).
 """
 import math
 
@@ -35,10 +36,11 @@ def eager_attention(q, k, v, *, causal=False, key_padding_mask=None, attn_mask=N
     v = v.repeat_interleave(H // Hkv, 1)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     s = (q @ k.transpose(-1, -2)) * scale
-    allowed = torch.ones(B, H, Lq, Lk, dtype=torch.bool)
+    allowed = torch.ones(B, H, Lq, Lk, dtype=torch.bool, device=q.device)
     if causal:
         shift = Lk - Lq if causal == "bottom_right" else 0
-        allowed &= torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + shift
+        i, j = torch.arange(Lq, device=q.device), torch.arange(Lk, device=q.device)
+        allowed &= j[None, :] <= i[:, None] + shift
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         allowed &= attn_mask
     elif attn_mask is not None:
@@ -49,7 +51,7 @@ def eager_attention(q, k, v, *, causal=False, key_padding_mask=None, attn_mask=N
     empty = torch.isneginf(s).all(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
     if keep is not None:
-        p = p * keep.to(p.dtype) / (1.0 - dropout_p)
+        p = p * keep.to(p.device, p.dtype) / (1.0 - dropout_p)
     return p @ v
 
 
@@ -90,20 +92,19 @@ def compare(q, k, v, dout, **kw):
     return out, grads
 
 
-def make_qkv(B, H, Hkv, Lq, Lk, D, dtype, seed=0):
+def make_qkv(B, H, Hkv, Lq, Lk, D, dtype, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    mk = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
     return mk(B, H, Lq, D), mk(B, Hkv, Lk, D), mk(B, Hkv, Lk, D), mk(B, H, Lq, D)
 
 
-def padding_mask(B, Lk, seed=1):
-    """Random padding; batch 0 keeps every key, batch 1 (if any) has every key padded."""
+def padding_mask(B, Lk, seed=1, device="cpu"):
+    """30% of the keys padded at random; in batch 1 (if any), every key."""
     g = torch.Generator().manual_seed(seed)
     kpm = torch.rand(B, Lk, generator=g) < 0.3
-    kpm[0] = False
     if B > 1:
         kpm[1] = True
-    return kpm
+    return kpm.to(device)
 
 
 # ---- shapes, dtypes, causal alignments -------------------------------------------------------
@@ -173,7 +174,7 @@ def test_attn_mask(kind, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, "top_left"])
 def test_key_padding_mask(dtype, causal):
-    B, H, Lq, Lk, D = 3, 2, 203, 113, 80
+    B, H, Lq, Lk, D = 2, 2, 203, 113, 80
     q, k, v, dout = make_qkv(B, H, H, Lq, Lk, D, dtype)
     compare(q, k, v, dout, key_padding_mask=padding_mask(B, Lk), causal=causal)
 
@@ -201,7 +202,7 @@ def test_fully_masked_rows_give_zeros_and_zero_grads():
 # ---- GQA / MQA, layouts, the custom-op route -------------------------------------------------
 @pytest.mark.parametrize("H,Hkv,dtype", [(8, 2, F32), (8, 2, BF16), (4, 1, F16)], ids=str)
 def test_grouped_and_multi_query(H, Hkv, dtype):
-    B, Lq, Lk, D = 2, 113, 203, 64
+    B, Lq, Lk, D = 1, 113, 203, 64
     q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype)
     compare(q, k, v, dout, causal="bottom_right", key_padding_mask=padding_mask(B, Lk, seed=3))
 
@@ -238,22 +239,23 @@ def test_custom_op_route(monkeypatch):
 
 
 # ---- dropout ---------------------------------------------------------------------------------
-def test_dropout_mask_is_the_reference_rng_bit_for_bit():
+@pytest.mark.parametrize("p", [0.4, 0.7])  # thresholds below and above 2**31
+def test_dropout_mask_is_the_reference_rng_bit_for_bit(p):
     """With v = I the output is P * keep / (1 - p): its zeros are the kernel's dropped entries.
     The offset starts just below 2**32, so counters carry into the high Philox word."""
-    B, H, L, p = 2, 3, 64, 0.4
+    B, H, L = 2, 3, 64
     q, k, _, _ = make_qkv(B, H, H, L, L, L, F32)
     v = torch.eye(L).expand(B, H, L, L)
     rng_state = torch.tensor([2**40 + 12345, 2**32 - 5000], dtype=torch.int64)
     out, _ = attention_triton.attention_fwd(q * 0.1, k, v, None, None, 0, 0.125, p, rng_state)
     keep = dropout_keep_mask(rng_state, (B, H, L, L), p)
     assert torch.equal(out != 0, keep)
-    assert 0.5 < keep.float().mean() < 0.7
+    assert abs(keep.float().mean() - (1 - p)) < 0.05
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 def test_dropout_reproducible_and_matches_eager_with_its_mask(dtype):
-    B, H, Hkv, Lq, Lk, D, p = 2, 4, 2, 113, 203, 64, 0.3
+    B, H, Hkv, Lq, Lk, D, p = 2, 2, 1, 113, 203, 64, 0.3  # GQA: the counter uses query heads
     q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype)
     kw = dict(causal="bottom_right", key_padding_mask=padding_mask(B, Lk), dropout_p=p)
     torch.manual_seed(7)
@@ -265,4 +267,62 @@ def test_dropout_reproducible_and_matches_eager_with_its_mask(dtype):
     torch.manual_seed(7)
     keep = dropout_keep_mask(draw_rng_state(), (B, H, Lq, Lk), p)
     torch.manual_seed(7)
+    compare(q, k, v, dout, keep=keep, **kw)
+
+
+# ---- the compiled kernels on a GPU -----------------------------------------------------------
+# `TRITON_INTERPRET=0 pytest -m gpu tests` (benchmarks/gpu_check.sh): with the interpreter on,
+# triton would interpret these too, so they skip. One fixed config per kernel (its first GPU
+# config, mixed BLOCK_M/BLOCK_N) instead of autotuning: each variant compiles once.
+@pytest.fixture
+def cuda_compiled(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if tk.interpreter_mode():
+        pytest.skip("TRITON_INTERPRET=1 interprets the kernels; run with TRITON_INTERPRET=0")
+    monkeypatch.setattr(tk, "kernel_and_config", tk.fixed_config)
+    return "cuda"
+
+
+GPU_CASES = [  # (B, H, Hkv, Lq, Lk, D, causal, dtype)
+    (2, 4, 4, 1024, 1024, 128, True, BF16),
+    (2, 4, 2, 113, 203, 80, "bottom_right", BF16),
+    (1, 4, 4, 203, 113, 64, False, BF16),
+    (2, 2, 2, 257, 257, 40, "top_left", F16),
+    (1, 2, 1, 300, 200, 64, "bottom_right", F32),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,Hkv,Lq,Lk,D,causal,dtype", GPU_CASES, ids=str)
+def test_gpu_matches_eager(cuda_compiled, B, H, Hkv, Lq, Lk, D, causal, dtype):
+    q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype, device=cuda_compiled)
+    compare(q, k, v, dout, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
+def test_gpu_masks_and_gqa(cuda_compiled, dtype):
+    B, H, Hkv, Lq, Lk, D = 2, 8, 2, 300, 411, 128
+    q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype, device=cuda_compiled)
+    kind = "bool_batch" if dtype == BF16 else "float_heads"
+    mask = attn_mask(kind, B, H, Lq, Lk, F32).to(cuda_compiled)
+    compare(q, k, v, dout, attn_mask=mask, causal="bottom_right",
+            key_padding_mask=padding_mask(B, Lk, device=cuda_compiled))
+
+
+@pytest.mark.gpu
+def test_gpu_dropout(cuda_compiled):
+    B, H, L, p = 2, 3, 64, 0.4
+    q, k, _, _ = make_qkv(B, H, H, L, L, L, F32, device=cuda_compiled)
+    v = torch.eye(L, device=cuda_compiled).expand(B, H, L, L)
+    rng_state = torch.tensor([2**40 + 12345, 2**32 - 5000], dtype=torch.int64)
+    out, _ = attention_triton.attention_fwd(q * 0.1, k, v, None, None, 0, 0.125, p, rng_state)
+    assert torch.equal((out != 0).cpu(), dropout_keep_mask(rng_state, (B, H, L, L), p))
+
+    q, k, v, dout = make_qkv(2, 4, 2, 300, 200, 64, BF16, device=cuda_compiled)
+    kw = dict(causal="bottom_right", dropout_p=0.2)
+    torch.manual_seed(3)
+    keep = dropout_keep_mask(draw_rng_state(), (2, 4, 300, 200), 0.2)
+    torch.manual_seed(3)
     compare(q, k, v, dout, keep=keep, **kw)

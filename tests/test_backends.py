@@ -104,8 +104,11 @@ def test_available_backends_and_info():
 def _run_python(code: str, **env) -> str:
     full_env = dict(os.environ, **env)
     full_env.pop("TRITON_INTERPRET", None)
+    # run where the imported fastformer lives: `python -c` puts the cwd first on sys.path, and
+    # from a source checkout with an installed package the cwd's copy has no _C
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(ff.__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env,
-                         timeout=300)
+                         timeout=300, cwd=pkg_parent)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
 

@@ -1,4 +1,4 @@
-"""Triton kernels: flash attention forward and backward (launchers: fastformer/ops/attention_triton.py).
+"""Triton kernels: flash attention forward and backward. Launchers: ops/attention_triton.py.
 
 Notation (fastformer/reference/attention.py is the semantics): q (B, H, Lq, D), k and v
 (B, Hkv, Lk, D); query head h reads kv head h // (H / Hkv) (GQA/MQA by index arithmetic, the
@@ -7,37 +7,41 @@ attn_mask is False, the key_padding_mask is True, or causality forbids j: causal
 allows j <= i, causal 2 (bottom-right) allows j <= i + Lk - Lq. The attn_mask is read tile by
 tile through its four strides (a broadcast view: stride 0 on broadcast dims), never expanded.
 
-Forward (one program per (query block of BLOCK_M rows, batch*head)): online softmax over key
-blocks of BLOCK_N in fp32, in base 2: scores t = s * log2(e) (the scale and log2(e) folded into
-one multiply, the float mask multiplied by log2(e)), running max m and sum l:
+Forward, one program per (query block of BLOCK_M rows, batch*head): online softmax over key
+blocks of BLOCK_N, in fp32 and base 2. Scores t = s * log2(e) (scale and log2(e) folded into
+one multiply; a float mask is multiplied by log2(e)); running max m and sum l per row:
     m' = max(m, rowmax t),  p = exp2(t - m'),  l = l * exp2(m - m') + rowsum p,
-    acc = acc * exp2(m - m') + (p * keep / (1 - p_drop)) v
+    acc = acc * exp2(m - m') + (p * keep / (1 - p_drop)) v      (p rounded to v's dtype)
 then out = acc / l and lse = (m + log2 l) * ln 2 (natural log, fp32). A row with no allowed key
-keeps m = -inf (exp2 is evaluated against 0 instead, giving p = 0): l = 0, out = 0, lse = +inf.
-Causal: key blocks right of the diagonal are not visited; blocks left of it are visited
-without element masks; only the diagonal blocks (and the block holding the Lk tail) apply them.
-Traffic per (query block, key block) tile: read K and V tiles (2 * BLOCK_N * D elements, plus
-BLOCK_M * BLOCK_N of attn_mask and BLOCK_N of padding mask when given); Q (BLOCK_M * D) is read
-once per program, out (BLOCK_M * D) and lse (BLOCK_M) written once.
+keeps m = -inf (exp2 is then taken against 0, so p = 0): l = 0, out = 0, lse = +inf.
+Causal: key blocks right of the diagonal are never visited; blocks left of it run without
+element masks; only the diagonal blocks and the block holding the Lk tail apply them.
+Traffic per (query block, key block) tile: K and V tiles, 2 * BLOCK_N * D elements (+ BLOCK_M *
+BLOCK_N attn_mask and BLOCK_N padding-mask elements when given); per program Q and out
+(BLOCK_M * D each) and lse. Per head: 2 * Lk * D * ceil(Lq / BLOCK_M) elements of K/V (about
+half when causal) + 2 * Lq * D of Q/out; nothing of size Lq * Lk is stored.
 
 Backward, with P = exp2(t - lse * log2 e) recomputed from the saved lse:
-    delta_i = sum_d dO_id * out_id                         (preprocessing kernel)
+    delta_i = sum_d dO_id * out_id                       (preprocessing kernel)
     dP' = dO v^T * keep / (1 - p_drop),  dS = P * (dP' - delta)
     dV = (P * keep / (1 - p_drop))^T dO,  dK = scale * dS^T q,  dQ = scale * dS k
+(P' and dS rounded to the input dtype before their dots, as the forward's p.)
 dK/dV: one program per (key block, batch*kv head), looping over the query heads of its group
-and over the query blocks that can see its keys; it keeps dK and dV in registers and writes
-them once, already summed over the group. dQ: one program per (query block, batch*head), looping
-over key blocks like the forward. dQ is computed by its own kernel rather than with fp32
-atomics from the dK/dV kernel: that costs a second QK^T and dO V^T per tile (7 tile matmuls
-instead of 5) but is deterministic, needs no fp32 scratch buffer or zeroing, and writes dq in
-the input dtype directly. Traffic per tile: dK/dV reads Q and dO tiles (2 * BLOCK_M * D) and
-BLOCK_M of lse and delta; dQ reads K and V tiles (2 * BLOCK_N * D); masks as in the forward.
+and over the query blocks that see its keys (diagonal blocks masked, the rest not); dK and dV
+stay in registers and are written once, already summed over the group. Per tile it reads Q and
+dO (2 * BLOCK_M * D) and BLOCK_M of lse and delta. dQ: one program per (query block,
+batch*head), walking key blocks like the forward; per tile it reads K and V (2 * BLOCK_N * D).
+dQ has its own kernel rather than fp32 atomics from the dK/dV kernel: that recomputes Q K^T
+and dO V^T (7 tile matmuls instead of 5) but is deterministic, needs no fp32 scratch buffer
+to zero and convert, and writes dq in the input dtype directly.
 Rows past Lq read q = dO = 0 and lse = +inf, so P = 0 there; dK/dV rows past Lk are never
 stored, so the dK/dV kernel needs no key-tail mask.
 
-Head dims 16..256: BLOCK_D is the next power of two >= D and the tail columns are masked (read
-as 0, not stored). Offsets that scale with sequence length or batch are int64.
-fp32 inputs use IEEE fp32 dots (not TF32: the fp32 tolerance is 1e-5).
+Head dims 16..256: BLOCK_D is the next power of two >= D; tail columns read as 0 and are not
+stored. Batch/head/block bases are int64 scalars; in-tile offsets (< BLOCK * row stride) int32.
+fp32 inputs use IEEE fp32 dots (not TF32: the fp32 tolerance is 1e-5). Under Triton's
+interpreter (TRITON_INTERPRET=1): bf16 dots are done in fp32 (_operand), bf16 results are
+rounded by cast_to, and masks are single comparisons (it mis-types `block & scalar` of int1).
 """
 import triton
 import triton.language as tl
@@ -86,13 +90,12 @@ def _scores(qk, q_idx, k_idx, mask_ptrs, kpm_ptrs, Lq, Lk, causal_shift, qk_scal
             CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
             EDGE: tl.constexpr):
     """Scores in base 2 with -inf where a key is excluded. q_idx, k_idx: query and key indices
-    as 2-D tensors broadcasting to qk's shape, (M, 1) and (1, N) or transposed (1, M) and
-    (N, 1); mask_ptrs: attn_mask pointers shaped like qk; kpm_ptrs: key_padding_mask pointers
-    shaped like k_idx. EDGE applies causality and the Lk tail (diagonal and last key blocks)."""
+    shaped (M, 1) and (1, N); mask_ptrs: attn_mask pointers (M, N); kpm_ptrs: key_padding_mask
+    pointers (1, N). EDGE applies causality and the Lk tail (diagonal and last key blocks)."""
     t = qk * qk_scale
     if MASK_KIND != 0:
         in_bounds = k_idx < tl.where(q_idx < Lq, Lk, 0)
-        if MASK_KIND == 1:
+        if MASK_KIND == 1:  # MASK_BOOL; else MASK_FLOAT
             t = tl.where(tl.load(mask_ptrs, mask=in_bounds, other=0) != 0, t, float("-inf"))
         else:
             t += tl.load(mask_ptrs, mask=in_bounds, other=0.0).to(tl.float32) * LOG2E
@@ -168,7 +171,7 @@ def _fwd_key_blocks(acc, l_i, m_i, q, q_idx, k_head, v_head, k_offs, v_offs, mas
             p = tl.where(keep, p * drop_scale, 0.0)
         v = _load_rows(v_head + n64 * stride_vn + v_offs, k_idx, Lk, cols, HEAD_DIM, BLOCK_D,
                        EDGE)
-        p_op = _operand(cast_to(p, v.dtype, INTERPRET), INTERPRET)
+        p_op = _operand(cast_to(p, v_head.dtype.element_ty, INTERPRET), INTERPRET)
         acc = tl.dot(p_op, _operand(v, INTERPRET), acc * alpha[:, None], input_precision="ieee")
         m_i = m_new
     return acc, l_i, m_i
@@ -283,7 +286,9 @@ def _dkdv_query_blocks(dk, dv, k, v, k_idx, q_head, do_head, q_offs, do_offs, ls
                        DROPOUT: tl.constexpr, EDGE: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [start_m, end_m) of one head.
-    Tiles are transposed, (keys, queries), so dV += P^T dO and dK += dS^T Q need no transpose."""
+    Score tiles are (queries, keys) as in the forward, so K and V are the B operands of
+    Q K^T and dO V^T (shared memory on Hopper) instead of register-held A operands: the
+    transposed formulation (S^T = K Q^T) spilled 2x more at D = 128."""
     offs_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     for block_m in range(start_m, end_m, BLOCK_M):
@@ -307,11 +312,11 @@ def _dkdv_query_blocks(dk, dv, k, v, k_idx, q_head, do_head, q_offs, do_offs, ls
             dp = tl.where(keep, dp * drop_scale, 0.0)
         else:
             p_drop = p
-        dv = tl.dot(tl.trans(_operand(cast_to(p_drop, do.dtype, INTERPRET), INTERPRET)), do, dv,
-                    input_precision="ieee")
+        p_op = _operand(cast_to(p_drop, do_head.dtype.element_ty, INTERPRET), INTERPRET)
+        dv = tl.dot(tl.trans(p_op), do, dv, input_precision="ieee")
         ds = p * (dp - delta[:, None])
-        dk = tl.dot(tl.trans(_operand(cast_to(ds, q.dtype, INTERPRET), INTERPRET)), q, dk,
-                    input_precision="ieee")
+        ds_op = _operand(cast_to(ds, q_head.dtype.element_ty, INTERPRET), INTERPRET)
+        dk = tl.dot(tl.trans(ds_op), q, dk, input_precision="ieee")
     return dk, dv
 
 
@@ -322,8 +327,8 @@ def attn_bwd_dkdv_kernel(
     do_ptr,      # (B, H, Lq, D) grad of the output, strides (stride_dob, stride_doh, stride_dom, 1)
     lse_ptr,     # (B, H, Lq) fp32 contiguous, from the forward
     delta_ptr,   # (B, H, Lq) fp32 contiguous, from attn_bwd_delta_kernel
-    dk_ptr,      # (B, Hkv, Lk, D) grad of k in k's dtype, strides (stride_dkb, stride_dkh, stride_dkn, 1)
-    dv_ptr,      # (B, Hkv, Lk, D) grad of v in v's dtype, strides (stride_dvb, stride_dvh, stride_dvn, 1)
+    dk_ptr,      # (B, Hkv, Lk, D) grad of k in k's dtype; strides (stride_dk*, 1)
+    dv_ptr,      # (B, Hkv, Lk, D) grad of v in v's dtype; strides (stride_dv*, 1)
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn, stride_dob, stride_doh, stride_dom,
@@ -425,8 +430,8 @@ def _dq_key_blocks(dq, q, do, lse2, delta, q_idx, k_head, v_head, k_offs, v_offs
             keep = _dropout_keep(seed, rng_q[:, None], k_idx[None, :], drop_threshold)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(_operand(cast_to(ds, k.dtype, INTERPRET), INTERPRET), k, dq,
-                    input_precision="ieee")
+        ds_op = _operand(cast_to(ds, k_head.dtype.element_ty, INTERPRET), INTERPRET)
+        dq = tl.dot(ds_op, k, dq, input_precision="ieee")
     return dq
 
 
@@ -434,7 +439,7 @@ def _dq_key_blocks(dq, q, do, lse2, delta, q_idx, k_head, v_head, k_offs, v_offs
 def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, kpm_ptr,  # as in attn_fwd_kernel
     do_ptr, lse_ptr, delta_ptr,              # as in attn_bwd_dkdv_kernel
-    dq_ptr,      # (B, H, Lq, D) grad of q in q's dtype, strides (stride_dqb, stride_dqh, stride_dqm, 1)
+    dq_ptr,      # (B, H, Lq, D) grad of q in q's dtype; strides (stride_dq*, 1)
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn, stride_dob, stride_doh, stride_dom,
@@ -497,18 +502,23 @@ def _configs(shapes):
 
 
 # GPU: (BLOCK_M, BLOCK_N, warps, stages), autotuned per (Lq, Lk, head dim, causal) and dtype.
-# Configs that do not fit (large blocks at head dim 256) fail to compile and are skipped.
-FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 4),
-                        (128, 64, 8, 4), (64, 64, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2)])
+# Chosen from what ptxas reports at D = 128, bf16, sm_90 (compiled on a machine without a GPU;
+# run times not measured yet): these spill at most 48 bytes of registers there, while 4-warp
+# programs with 128-row tiles, and dK/dV with 64 x 128 tiles, spill 500-1900 bytes. The larger
+# tiles stay for head dims <= 64; configs that do not fit a head dim fail to compile and the
+# autotuner skips them.
+FWD_CONFIGS = _configs([(128, 64, 8, 3), (128, 32, 8, 3), (128, 64, 8, 4), (64, 64, 8, 3),
+                        (128, 64, 4, 3), (128, 128, 8, 3)])
 # dK/dV: BLOCK_M is the query block walked, BLOCK_N the key block a program owns.
-DKDV_CONFIGS = _configs([(32, 128, 8, 2), (64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3),
-                         (32, 128, 4, 3), (16, 64, 4, 2)])
-DQ_CONFIGS = _configs([(128, 32, 8, 2), (128, 64, 8, 2), (64, 64, 4, 3), (64, 128, 8, 2),
-                       (64, 32, 4, 3), (32, 64, 4, 2)])
+DKDV_CONFIGS = _configs([(32, 64, 8, 2), (32, 64, 8, 3), (16, 64, 8, 3), (32, 128, 8, 2),
+                         (64, 64, 4, 3)])
+DQ_CONFIGS = _configs([(64, 32, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3),
+                       (128, 64, 8, 2)])
 TUNE_KEY = ["Lq", "Lk", "HEAD_DIM", "CAUSAL"]
 
-# Interpreter: one fixed config, large blocks (it costs milliseconds per program and per
-# helper call whatever the block size, and numpy does a 128x128 tile as fast as a 32x32 one).
+# Interpreter: one fixed config of large blocks. It pays ~1 ms per program and per helper call
+# (its tl.dot is a plain numpy loop, as costly per multiply-add at any tile size): 128-wide
+# blocks ran fwd+bwd of the test shapes (113, 203), (203, 113), (17, 17) 1.4x faster than 64.
 INTERPRETER_CONFIGS = {
     "fwd": dict(BLOCK_M=128, BLOCK_N=128, num_warps=4),
     "dkdv": dict(BLOCK_M=128, BLOCK_N=128, num_warps=4),
@@ -531,3 +541,11 @@ def kernel_and_config(kind: str):
     if kind not in _tuned:
         _tuned[kind] = triton.autotune(configs=configs, key=TUNE_KEY)(kernel)
     return _tuned[kind], {}
+
+
+def fixed_config(kind: str):
+    """(plain kernel, its first GPU config): what GPU tests launch, so that each variant they
+    cover compiles once instead of once per autotuning candidate."""
+    kernel, configs = _KERNELS[kind]
+    first = configs[0]
+    return kernel, dict(first.kwargs, num_warps=first.num_warps, num_stages=first.num_stages)

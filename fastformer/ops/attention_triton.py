@@ -59,7 +59,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
     out = q.new_empty((B, Lq, H, v.shape[-1])).transpose(1, 2)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
-        return out, lse.fill_(float("inf"))
+        return out, lse
     mask, mask_strides, kpm, kpm_strides, mask_kind, has_kpm = _mask_args(q, attn_mask,
                                                                           key_padding_mask)
     seed, offset, drop_threshold, drop_scale = _dropout_args(dropout_p, rng_state)
@@ -103,6 +103,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     flags = dict(HEAD_DIM=D, CAUSAL=causal, MASK_KIND=mask_kind, HAS_KPM=has_kpm,
                  DROPOUT=dropout_p > 0, BLOCK_D=block_d, INTERPRET=interpret)
     dropout = (seed, offset, drop_threshold, drop_scale)
+    scale = float(scale)  # a Python int would be specialized as an integer argument
 
     kernel, config = tk.kernel_and_config("dkdv")
     kernel[lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * Hkv,)](
