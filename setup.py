@@ -16,7 +16,8 @@ source file different flags from another in the same extension.
 Environment knobs (all optional):
   FASTFORMER_BUILD_CUDA=0/1   force the CUDA kernels off/on (default: on iff torch.version.cuda
                               and nvcc's major version match)
-  FASTFORMER_SANITIZE=1       build with -fsanitize=address,undefined (see tests/README)
+  FASTFORMER_SANITIZE=1       build with -fsanitize=address,undefined (see .ci/sanitize.sh)
+  FASTFORMER_CPU_LEVELS=...   compile only these CPU levels (comma list, DEFAULT always)
   FASTFORMER_SKIP_EXT=1       install the pure-Python package only (reference/Triton backends)
   MAX_JOBS=N                  parallel compile jobs (default: CPU count)
 """
@@ -61,9 +62,14 @@ X86_CAPABILITIES = {
 
 
 def _capabilities():
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        return X86_CAPABILITIES
-    return {"DEFAULT": []}
+    """Capability levels to compile; FASTFORMER_CPU_LEVELS=DEFAULT,AVX2 builds a subset (the
+    sanitizer job uses it to halve its build time). DEFAULT is always built."""
+    levels = X86_CAPABILITIES if platform.machine().lower() in ("x86_64", "amd64") else {"DEFAULT": []}
+    wanted = os.environ.get("FASTFORMER_CPU_LEVELS")
+    if wanted:
+        names = {n.strip().upper() for n in wanted.split(",")} | {"DEFAULT"}
+        levels = {k: v for k, v in levels.items() if k in names}
+    return levels
 
 
 def _nvcc_version():

@@ -497,4 +497,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("attention_bwd", &attention_bwd);
   m.def("ffn_fwd", &ffn_fwd);
   m.def("ffn_bwd", &ffn_bwd);
+#ifdef FASTFORMER_WITH_CUDA
+  m.def("ffn_bias_act_fwd", &cuda::ffn_bias_act_fwd, "y = act(x + bias), CUDA");
+  m.def("ffn_bias_act_bwd", &cuda::ffn_bias_act_bwd, "{dx, dbias}, CUDA");
+  m.def("ffn_gated_act_fwd", &cuda::ffn_gated_act_fwd, "h = act(gate) * up, CUDA");
+  m.def("ffn_gated_act_bwd", &cuda::ffn_gated_act_bwd, "{dgate, dup}, CUDA");
+#endif
 }

@@ -3,7 +3,11 @@
 * fp32 / fp64 results are compared to an oracle computed in fp64 with fixed atol/rtol.
 * fp16 / bf16 results follow FlashAttention's rule: the error of ours against the fp32 oracle
   must be at most ``factor`` times the error of eager PyTorch run in the same low precision
-  (2x for outputs, 3x for gradients), plus an atol. The atol is one rounding of the result to
+  (2x for outputs, 3x for gradients), plus an atol: never below the fp32 atol of the same
+  quantity (a low-precision run is not held to a stricter bound than an fp32 one: a gradient
+  that is exactly 0 in exact arithmetic, e.g. dq with a single key, comes out as fp32 rounding
+  noise from every flash kernel, while eager's softmax backward cancels it exactly), plus
+  one rounding of the result to
   the low-precision type (eps(dtype) * |oracle| per element) plus a tiny absolute floor: ours and
   eager each round an fp32 value to bf16/fp16, and two values a hair apart can round one ulp
   apart. On large tensors that is below eager's own max error; on tiny ones (7 elements) eager's
@@ -67,7 +71,7 @@ def assert_lowp_rule(name: str, ours: torch.Tensor, oracle: torch.Tensor, torch_
     o, r, t = ours.double(), oracle.double(), torch_lowp.double()
     finite = torch.isfinite(r)
     assert torch.isfinite(o)[finite].all(), f"{name}: non-finite values where the oracle is finite"
-    one_rounding = torch.finfo(ours.dtype).eps * r.abs()
+    one_rounding = torch.finfo(ours.dtype).eps * r.abs() if ours.dtype in LOWP else torch.zeros_like(r)
     ours_err = ((o - r).abs() - one_rounding).where(finite, torch.zeros_like(o))
     torch_err = (t - r).abs().where(finite, torch.zeros_like(t))
     idx, worst = _worst(ours_err)
@@ -80,10 +84,25 @@ def assert_lowp_rule(name: str, ours: torch.Tensor, oracle: torch.Tensor, torch_
 
 def check(name: str, ours: torch.Tensor, oracle: torch.Tensor, torch_lowp: torch.Tensor = None, *,
           grad: bool = False, atol: float = 1e-5, rtol: float = 1e-5):
-    """Dispatch on ours.dtype: the tolerance check for fp32/fp64, the ratio rule for fp16/bf16."""
+    """Dispatch on ours.dtype: the tolerance check for fp32/fp64, the ratio rule for fp16/bf16.
+
+    For fp32, `torch_lowp` may be eager PyTorch's own fp32 result: the fuzzer draws inputs
+    outside the range DESIGN's fixed fp32 tolerances were set for (scale 3 with head dim 40
+    gives logits of ~20; eager fp32's own dq is then 1.25e-4 off an fp64 oracle, over the
+    1e-4 bound). There the fixed tolerance or, failing it, the error-ratio rule against eager
+    fp32 must hold."""
+    if ours.dtype == torch.float32 and torch_lowp is not None:
+        try:
+            assert_close_tol(name, ours, oracle, atol, rtol)
+        except AssertionError as exc:
+            try:
+                assert_lowp_rule(name, ours, oracle, torch_lowp, GRAD_FACTOR if grad else OUT_FACTOR, atol)
+            except AssertionError as exc2:
+                raise AssertionError(f"{exc}\nand {exc2}") from None
+        return
     if ours.dtype in LOWP:
         assert torch_lowp is not None, f"{name}: low-precision check needs torch_lowp"
         assert_lowp_rule(name, ours, oracle, torch_lowp, GRAD_FACTOR if grad else OUT_FACTOR,
-                         LOWP_ATOL[ours.dtype])
+                         max(LOWP_ATOL[ours.dtype], atol))
     else:
         assert_close_tol(name, ours, oracle, atol, rtol)

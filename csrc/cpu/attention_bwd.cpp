@@ -65,6 +65,7 @@ void attention_bwd_typed(const AttnArgs& a) {
   const uint32_t threshold = a.dropout_p > 0 ? dropout_threshold(a.dropout_p) : 0;
   const A drop_scale = a.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - a.dropout_p) : A(1);
   const A* const lse = static_cast<const A*>(a.lse);
+  const A score_mul = static_cast<A>(a.scale * kLog2e);  // scores in log2 units, see score_row
   const int64_t s_ld = sh.Bk_pad + kRowSlack;
 
   const double flops = 2.5 * 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
@@ -123,8 +124,8 @@ void attention_bwd_typed(const AttnArgs& a) {
           for (int64_t i = 0; i < n_q; ++i) {
             A* p = p_tile + i * s_ld;
             A* ds = ds_tile + i * s_ld;
-            score_row(a, sh, p, b, h, q0 + i, k0, n_keys, diagonal, bias);
-            exp_row(p, sh.Bk_pad, lse_h[q0 + i]);  // P = exp(s - lse): 0 where masked
+            score_row(a, sh, p, score_mul, b, h, q0 + i, k0, n_keys, diagonal, bias);
+            exp2_row(p, sh.Bk_pad, lse_h[q0 + i] * static_cast<A>(kLog2e));  // P = exp(s - lse)
             const V delta_v(delta_h[q0 + i]);
             if (threshold) {
               // dS = P (dP keep/(1-p) - delta); dV uses P' = P keep/(1-p)

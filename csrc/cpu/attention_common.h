@@ -165,16 +165,50 @@ void pack_kv(const AttnArgs& a, const Shape<A>& sh, const Packed<A>& pk) {
   });
 }
 
-// Turns one row of raw dot products s[0:Bk_pad) (keys k0 .. k0 + n_keys of query qi) into
-// masked, scaled scores in place, and returns their maximum (-inf if none is allowed).
-//   s_j = scale * s_j + float mask;  -inf where the bool mask is false, the key is padding,
-//   causality forbids it, or j >= n_keys.
+constexpr double kLog2e = 1.4426950408889634;  // scores are kept in log2 units: exp2 is cheaper
 template <typename A>
-inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, int64_t b, int64_t h, int64_t qi,
-                   int64_t k0, int64_t n_keys, bool diagonal, A* bias) {
+constexpr A kLn2 = A(0.6931471805599453);
+
+// 2^x for x <= 0 (scores minus the row max, log2 units). AVX2/AVX-512 fp32: floor/fraction
+// split, degree-5 polynomial for 2^f on [0, 1) fitted here with p(0) = 1 and p(1) = 2 exact
+// (2.0e-7 max relative error in fp32; exact at 0 so that a row's max element has P = 1 and a
+// single-key row has dS = 0 exactly), exponent bits from the integer part; x <= -127 gives
+// exactly 0 (masked scores are -inf), NaN stays NaN. Other levels and fp64: Sleef's exp2.
+template <typename A>
+inline Vectorized<A> exp2_nonpositive(const Vectorized<A>& x) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float>) {
+    using V = Vectorized<float>;
+    const V xc = at::vec::maximum(x, V(-127.0f));  // at::vec::maximum propagates NaN
+    const V n = xc.floor();
+    const V f = xc - n;
+    V p(0.00187831767834723f);
+    p = at::vec::fmadd(p, f, V(0.008990056812763214f));
+    p = at::vec::fmadd(p, f, V(0.0558231920003891f));
+    p = at::vec::fmadd(p, f, V(0.2401561290025711f));
+    p = at::vec::fmadd(p, f, V(0.6931523084640503f));
+    p = at::vec::fmadd(p, f, V(1.0f));
+#if defined(CPU_CAPABILITY_AVX2)
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return p * V(_mm256_castsi256_ps(e));
+#else
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return p * V(_mm512_castsi512_ps(e));
+#endif
+  }
+#endif
+  return x.exp2();
+}
+
+// Scores of one row, in place, in log2 units: s_j = mul * s_j + log2(e) * float mask, -inf where
+// the bool mask is false, the key is padding, causality forbids it, or j >= n_keys (keys
+// k0 .. k0 + n_keys of query qi). mul is 1 when Q was prescaled by scale * log2(e) (forward),
+// scale * log2(e) otherwise (backward). Returns the row max (-inf if no key is allowed).
+template <typename A>
+inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b, int64_t h,
+                   int64_t qi, int64_t k0, int64_t n_keys, bool diagonal, A* bias) {
   using V = Vectorized<A>;
   constexpr int64_t kV = V::size();
-  const V scale_v(static_cast<A>(a.scale));
   // Additive bias row: float mask, and -inf for excluded keys. Built only when needed.
   bool has_bias = n_keys < sh.Bk_pad;
   int64_t allowed_end = n_keys;  // keys j >= allowed_end are excluded (tail or causal)
@@ -197,44 +231,39 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, int64_t b, int64
         for (int64_t j = 0; j < allowed_end; ++j)
           if (!m[j * step]) bias[j] = kNegInf<A>;
       } else {
+        const A log2e = static_cast<A>(kLog2e);
         dispatch_dtype(a.mask_dtype, [&](auto tag) {
           using M = decltype(tag);
           const M* m = static_cast<const M*>(a.attn_mask.ptr) + off;
           for (int64_t j = 0; j < allowed_end; ++j)
-            bias[j] += static_cast<A>(static_cast<acc_t<M>>(m[j * step]));
+            bias[j] += log2e * static_cast<A>(static_cast<acc_t<M>>(m[j * step]));
         });
       }
     }
   }
   V row_max(kNegInf<A>);
-  for (int64_t j = 0; j < sh.Bk_pad; j += kV) {
-    V x = V::loadu(s + j) * scale_v;
-    if (has_bias) x = x + V::loadu(bias + j);
-    x.store(s + j);
-    row_max = at::vec::maximum(row_max, x);
+  if (has_bias || mul != A(1)) {
+    const V mul_v(mul);
+    for (int64_t j = 0; j < sh.Bk_pad; j += kV) {
+      V x = V::loadu(s + j) * mul_v;
+      if (has_bias) x = x + V::loadu(bias + j);
+      x.store(s + j);
+      row_max = at::vec::maximum(row_max, x);
+    }
+  } else {
+    for (int64_t j = 0; j < sh.Bk_pad; j += kV) row_max = at::vec::maximum(row_max, V::loadu(s + j));
   }
   return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, row_max);
 }
 
-// exp for x <= 0 (scores minus the row max). fp32: at::vec's exp_u20 (3.4e-7 relative error,
-// measured; exact 0 for -inf) with NaN passed through (exp_u20 turns NaN into inf); fp64: Sleef.
+// p_j = 2^(s_j - shift) in place over [0, n_pad); returns the sum.
 template <typename A>
-inline Vectorized<A> exp_nonpositive(const Vectorized<A>& x) {
-  if constexpr (std::is_same_v<A, float>) {
-    return Vectorized<A>::blendv(x.exp_u20(), x, x.isnan());
-  } else {
-    return x.exp();
-  }
-}
-
-// p_j = exp(s_j - shift) in place over [0, n_pad); returns the sum.
-template <typename A>
-inline A exp_row(A* s, int64_t n_pad, A shift) {
+inline A exp2_row(A* s, int64_t n_pad, A shift) {
   using V = Vectorized<A>;
   const V shift_v(shift);
   V sum(A(0));
   for (int64_t j = 0; j < n_pad; j += V::size()) {
-    const V p = exp_nonpositive(V::loadu(s + j) - shift_v);
+    const V p = exp2_nonpositive(V::loadu(s + j) - shift_v);
     p.store(s + j);
     sum = sum + p;
   }

@@ -6,8 +6,9 @@
 // Per task: Q block -> fp32 tile; row_max = -inf, row_sum = 0, acc = 0; for each key block the
 // queries can see (blocks above the causal diagonal are skipped, not masked):
 //   S = Q_tile K^T_block                       micro-kernel GEMM, 2*64*128*D flops
-//   s = scale * S + float mask, -inf where masked; online softmax update (common/online_softmax.h)
-//   P = exp(s - row_max'); dropped entries zeroed (Philox, common/philox.h)
+//   s = S + log2(e) * float mask, -inf where masked (Q was prescaled by scale * log2(e), so s
+//   is in log2 units); online softmax update (common/online_softmax.h)
+//   P = 2^(s - row_max'); dropped entries zeroed (Philox, common/philox.h)
 //   acc = alpha * acc + P V_block               micro-kernel GEMM, 2*64*128*Dv flops
 // out = acc / (row_sum * (1 - p)), lse = row_max + log(row_sum) (+inf for fully masked rows).
 // Memory per task: reads its Q block once and every visible packed K/V block (L2-resident for
@@ -48,9 +49,16 @@ void attention_fwd_typed(const AttnArgs& a) {
     A* const row_max = thread_scratch<A, 16>(kBlockQ);
     A* const row_sum = thread_scratch<A, 17>(kBlockQ);
 
+    // Q prescaled by scale * log2(e): the scores come out of the GEMM in log2 units.
+    const V q_mul(static_cast<A>(a.scale * kLog2e));
     for (int64_t i = 0; i < kBlockQ + kRowSlack; ++i) {
-      if (i < n_q) load_row(row_ptr<T>(a.q, b, h, q0 + i), sh.D, sh.D_pad, q_tile + i * sh.D_pad);
-      else std::fill(q_tile + i * sh.D_pad, q_tile + (i + 1) * sh.D_pad, A(0));
+      A* q_i = q_tile + i * sh.D_pad;
+      if (i < n_q) {
+        load_row(row_ptr<T>(a.q, b, h, q0 + i), sh.D, sh.D_pad, q_i);
+        for (int64_t d = 0; d < sh.D_pad; d += V::size()) (V::loadu(q_i + d) * q_mul).store(q_i + d);
+      } else {
+        std::fill(q_i, q_i + sh.D_pad, A(0));
+      }
     }
     std::fill(acc, acc + kBlockQ * sh.Dv_pad, A(0));
     std::fill(row_max, row_max + kBlockQ, kNegInf<A>);
@@ -65,10 +73,10 @@ void attention_fwd_typed(const AttnArgs& a) {
       const bool diagonal = sh.diagonal(a, q0, kb);
       for (int64_t i = 0; i < n_q; ++i) {
         A* s = s_tile + i * s_ld;
-        const A block_max = score_row(a, sh, s, b, h, q0 + i, k0, n_keys, diagonal, bias);
-        const A new_max = std::max(row_max[i], block_max);
-        const A alpha = online_softmax_alpha(row_max[i], new_max);
-        const A block_sum = exp_row(s, sh.Bk_pad, softmax_shift(new_max));
+        const A block_max = score_row(a, sh, s, A(1), b, h, q0 + i, k0, n_keys, diagonal, bias);
+        const A new_max = std::max(row_max[i], block_max);  // log2 units
+        const A alpha = online_softmax_alpha(row_max[i] * kLn2<A>, new_max * kLn2<A>);
+        const A block_sum = exp2_row(s, sh.Bk_pad, softmax_shift(new_max));
         row_sum[i] = alpha * row_sum[i] + block_sum;
         row_max[i] = new_max;
         if (threshold) drop_row(a, s, b, h, q0 + i, k0, n_keys, threshold);
@@ -89,7 +97,7 @@ void attention_fwd_typed(const AttnArgs& a) {
       int64_t d = 0;
       for (; d + V::size() <= sh.Dv; d += V::size()) store_acc(out_i + d, V::loadu(acc_i + d) * inv);
       if (d < sh.Dv) store_acc(out_i + d, V::loadu(acc_i + d) * inv, sh.Dv - d);
-      lse_out[(b * sh.H + h) * sh.Lq + q0 + i] = softmax_lse(row_max[i], row_sum[i]);
+      lse_out[(b * sh.H + h) * sh.Lq + q0 + i] = softmax_lse(row_max[i] * kLn2<A>, row_sum[i]);
     }
   });
 }

@@ -25,10 +25,13 @@
 //
 // Memory traffic of the main kernel per block: K and V once; per visited query block Q, dO
 // (kBlockM x D x 2 B each, from L2) and kBlockM x D fp32 atomics.
-// Budget per 128-thread block (nvcc 13.0 -Xptxas -v; the same on sm_80 and sm_90):
-//   D = 64  (kBlockM 64): smem 65,536 B;  BWD64_REGS
-//   D = 128 (kBlockM 32): smem 75,264 B;  BWD128_REGS
-// (kBlockM = 64 with D = 128 needs 115 KB of smem, over sm_86/89's 99 KB, and ~230 registers.)
+// Budget per 128-thread block of the main kernel (nvcc 13.0 -Xptxas -v, fp16 = bf16; 0 bytes
+// spilled everywhere):
+//   D = 64  (kBlockM 64): smem 65,536 B; registers 228 (sm_80), 244 (sm_90)
+//   D = 128 (kBlockM 32): smem 75,264 B; registers 244 (sm_80), 248 (sm_90)
+// so two blocks (8 warps) per SM, bound by registers (capping them at 170 for three blocks
+// spills). kBlockM = 64 at D = 128 would need 115 KB of smem, over sm_86/89's 99 KB per block.
+// The delta and dq kernels: 26 and 28 registers, no smem.
 #include "common/online_softmax.h"
 #include "cuda/attention_common.cuh"
 #include "cuda/cuda_types.cuh"
@@ -40,15 +43,16 @@ using namespace attn;
 template <int D>
 struct BwdTile {
   static constexpr int kWarps = 4, kThreads = kWarps * kWarpSize;
-  static constexpr int kBlockN = 16 * kWarps;       // keys per block
+  static constexpr int kBlockN = 16 * kWarps;        // keys per block
   static constexpr int kBlockM = D == 64 ? 64 : 32;  // queries per step
   static constexpr int kStride = padded_stride(D);
   static constexpr int kDsStride = padded_stride(kBlockM);
   static constexpr int kDqWarpsPerStrip = kWarps / (kBlockM / 16);  // warps per 16-row dQ strip
-  static constexpr int kDqCols = D / kDqWarpsPerStrip;             // dQ columns per warp
+  static constexpr int kDqCols = D / kDqWarpsPerStrip;              // dQ columns per warp
   // sK, sV; sQ, sdO (two stages each); sdS; lse, delta (two stages each)
-  static constexpr int kSmemBytes = (2 * kBlockN + 4 * kBlockM) * kStride * 2 +
-                                    kBlockN * kDsStride * 2 + 4 * kBlockM * 4;
+  static constexpr int kSmemBytes =
+      (2 * kBlockN + 4 * kBlockM) * kStride * 2 + kBlockN * kDsStride * 2 + 4 * kBlockM * 4;
+  static_assert(kSmemBytes <= 99 * 1024, "sm_86/sm_89 allow 99 KB of shared memory per block");
 };
 
 template <typename T, int D>
@@ -60,11 +64,12 @@ __global__ void __launch_bounds__(BwdTile<D>::kThreads, 1)
   extern __shared__ __align__(16) unsigned char smem[];
   T* sK = reinterpret_cast<T*>(smem);
   T* sV = sK + kBlockN * kStride;
-  T* sQ = sV + kBlockN * kStride;   // [2][kBlockM][kStride]
-  T* sdO = sQ + 2 * kBlockM * kStride;  // [2][kBlockM][kStride]
+  T* sQ = sV + kBlockN * kStride;        // [2][kBlockM][kStride]
+  T* sdO = sQ + 2 * kBlockM * kStride;   // [2][kBlockM][kStride]
   T* sdS = sdO + 2 * kBlockM * kStride;  // dS^T: [kBlockN][kDsStride]
-  float* sLse = reinterpret_cast<float*>(sdS + kBlockN * Tile::kDsStride);  // [2][kBlockM], log2 units
-  float* sDelta = sLse + 2 * kBlockM;                                       // [2][kBlockM]
+  float* sLse =
+      reinterpret_cast<float*>(sdS + kBlockN * Tile::kDsStride);  // [2][kBlockM], log2 units
+  float* sDelta = sLse + 2 * kBlockM;                             // [2][kBlockM]
 
   const AttentionShape& s = p.shape;
   const int n0 = blockIdx.x * kBlockN, h_kv = blockIdx.y, b = blockIdx.z;
@@ -142,14 +147,15 @@ __global__ void __launch_bounds__(BwdTile<D>::kThreads, 1)
     }
     gemm_c_b<T, D, kBlockM>(dk, dst, sQ_i, kStride, lane);  // dK += dS^T Q
 
+    T* sdS_lane = sdS + (warp * 16 + g) * Tile::kDsStride + 2 * t;  // rows g, g + 8; cols 2t, +1
 #pragma unroll
     for (int nt = 0; nt < kBlockM / 8; ++nt) {
 #pragma unroll
       for (int half = 0; half < 2; ++half)
-        *reinterpret_cast<uint32_t*>(sdS + (warp * 16 + g + 8 * half) * Tile::kDsStride + nt * 8 + 2 * t) =
+        *reinterpret_cast<uint32_t*>(sdS_lane + 8 * half * Tile::kDsStride + nt * 8) =
             pack2<T>(dst[nt][2 * half], dst[nt][2 * half + 1]);
     }
-    __syncthreads();  // dS^T of all 64 keys visible
+    __syncthreads();  // dS^T of all kBlockN keys visible
 
     // dQ (16 queries x kDqCols columns of this warp) = dS K, added to the fp32 buffer
     const int strip = warp % (kBlockM / 16), col0 = warp / (kBlockM / 16) * kDqCols;
@@ -198,15 +204,18 @@ constexpr int kRowThreads = 256;
 
 // delta[r] = sum_d dout[r, d] * out[r, d], one warp per query row.
 template <typename T, int D>
-__global__ void __launch_bounds__(kRowThreads) attention_bwd_delta_kernel(const AttentionBwdParams p) {
-  const int64_t r = static_cast<int64_t>(blockIdx.x) * (kRowThreads / kWarpSize) + threadIdx.x / kWarpSize;
+__global__ void __launch_bounds__(kRowThreads)
+    attention_bwd_delta_kernel(const AttentionBwdParams p) {
+  const int64_t r =
+      static_cast<int64_t>(blockIdx.x) * (kRowThreads / kWarpSize) + threadIdx.x / kWarpSize;
   if (r >= p.shape.batch * p.shape.heads * p.shape.len_q) return;
   const RowIndex at = split_row(p.shape, r);
   const T* o = head_ptr<T>(p.out, at.b, at.h) + at.i * p.out.row;
   const T* d_o = head_ptr<T>(p.dout, at.b, at.h) + at.i * p.dout.row;
   float acc = 0.f;
 #pragma unroll
-  for (int d = threadIdx.x % kWarpSize; d < D; d += kWarpSize) acc += to_float(o[d]) * to_float(d_o[d]);
+  for (int d = threadIdx.x % kWarpSize; d < D; d += kWarpSize)
+    acc += to_float(o[d]) * to_float(d_o[d]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(kFullMask, acc, off);
   if (threadIdx.x % kWarpSize == 0) p.delta[r] = acc;
@@ -238,8 +247,8 @@ cudaError_t launch_bwd(const AttentionBwdParams& p, cudaStream_t stream) {
   }
   if (s.len_k > 0) {
     const auto kernel = attention_bwd_kernel<T, D>;
-    const cudaError_t err = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
     if (err != cudaSuccess) return err;
     const dim3 grid((s.len_k + Tile::kBlockN - 1) / Tile::kBlockN, s.kv_heads, s.batch);
     kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);

@@ -96,7 +96,8 @@ __device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], const T* s, int stri
 template <typename T>
 __device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], const T* s, int stride, int n0, int k0,
                                           int lane) {
-  ldmatrix_x4_trans(b, s + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + n0 + (lane >> 4) * 8);
+  ldmatrix_x4_trans(b,
+                    s + (k0 + (lane & 7) + ((lane >> 3) & 1) * 8) * stride + n0 + (lane >> 4) * 8);
 }
 
 // The C fragments of columns [16 ks, 16 ks + 16) of a 16-row fp32 strip, rounded to T, as an A
@@ -130,8 +131,9 @@ __device__ __forceinline__ void gemm_smem_a_bt(float (&acc)[kN / 8][4], const T*
 
 // Same with A already in registers (a[k step][4]).
 template <typename T, int kN, int kK>
-__device__ __forceinline__ void gemm_reg_a_bt(float (&acc)[kN / 8][4], const uint32_t (&a)[kK / 16][4],
-                                              const T* sB, int b_stride, int lane) {
+__device__ __forceinline__ void gemm_reg_a_bt(float (&acc)[kN / 8][4],
+                                              const uint32_t (&a)[kK / 16][4], const T* sB,
+                                              int b_stride, int lane) {
 #pragma unroll
   for (int ks = 0; ks < kK / 16; ++ks) {
 #pragma unroll

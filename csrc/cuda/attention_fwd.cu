@@ -15,10 +15,13 @@
 //
 // Memory traffic per block: Q and out once (128 x D each), K and V once per visited key block
 // (read from L2 by every query block: 128 rows of reuse per 64 x D x 2 x 2 B tile loaded).
-// Budget per 256-thread block (nvcc 13.0 -Xptxas -v; the same on sm_80 and sm_90):
-//   D = 64:  smem (128 + 2 x 64) rows x 72 x 2 B + 64 x 4 B = 37,120 B;  FWD64_REGS
-//   D = 128: smem (128 + 2 x 64) rows x 136 x 2 B + 64 x 4 B = 69,888 B; FWD128_REGS
-// both fit the 99 KB per-block limit of sm_86/sm_89 too (which run the sm_80 code).
+// Budget per 256-thread block (nvcc 13.0 -Xptxas -v, fp16 = bf16; 0 bytes spilled everywhere):
+//   D = 64:  smem (128 + 2 x 64) rows x 72 x 2 B + 64 x 4 B = 37,120 B;  registers 149 (sm_80),
+//            155 (sm_90)
+//   D = 128: smem (128 + 2 x 64) rows x 136 x 2 B + 64 x 4 B = 69,888 B; registers 212 (sm_80),
+//            224 (sm_90)
+// so one block (8 warps) per SM, bound by registers: capping them at 128 for two blocks
+// (__launch_bounds__(256, 2)) spills at D = 64. Both fit the 99 KB per-block smem of sm_86/89.
 #include "common/online_softmax.h"
 #include "cuda/attention_common.cuh"
 
@@ -33,6 +36,7 @@ struct FwdTile {
   static constexpr int kBlockN = 64;           // keys per step
   static constexpr int kStride = padded_stride(D);
   static constexpr int kSmemBytes = (kBlockM + 2 * kBlockN) * kStride * 2 + kBlockN * 4;
+  static_assert(kSmemBytes <= 99 * 1024, "sm_86/sm_89 allow 99 KB of shared memory per block");
 };
 
 template <typename T, int D>
@@ -82,7 +86,8 @@ __global__ void __launch_bounds__(FwdTile<D>::kThreads, 1)
     __syncthreads();  // K_j and its key bias (and Q) visible to every warp
     if (n_block == 0) {
 #pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) load_a(q_frag[ks], sQ + warp * 16 * kStride, kStride, ks * 16, lane);
+      for (int ks = 0; ks < D / 16; ++ks)
+        load_a(q_frag[ks], sQ + warp * 16 * kStride, kStride, ks * 16, lane);
     }
     load_tile_async<kBlockN, D, kThreads>(sV, v, p.v.row, n0, s.len_k);
     cp_async_commit();
@@ -105,7 +110,8 @@ __global__ void __launch_bounds__(FwdTile<D>::kThreads, 1)
     for (int half = 0; half < 2; ++half) {  // rows g and g + 8; a row's 4 lanes are a quad
       float mx = row_max[half];
 #pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt) mx = fmaxf(mx, fmaxf(sc[nt][2 * half], sc[nt][2 * half + 1]));
+      for (int nt = 0; nt < kBlockN / 8; ++nt)
+        mx = fmaxf(mx, fmaxf(sc[nt][2 * half], sc[nt][2 * half + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, 2));
       const float alpha = online_softmax_alpha_log2(row_max[half], mx);
@@ -144,7 +150,8 @@ __global__ void __launch_bounds__(FwdTile<D>::kThreads, 1)
     inv_sum[half] = softmax_inv_sum(l);
     lse[half] = softmax_lse_log2(row_max[half], l);
   }
-  store_strip<T, D>(head_ptr<T>(p.out, b, h), p.out.row, row0, s.len_q, o, inv_sum[0], inv_sum[1], lane);
+  store_strip<T, D>(head_ptr<T>(p.out, b, h), p.out.row, row0, s.len_q, o, inv_sum[0], inv_sum[1],
+                    lane);
   if (t == 0) {
     float* lse_row = p.lse + (static_cast<int64_t>(b) * s.heads + h) * s.len_q;
     if (row0 + g < s.len_q) lse_row[row0 + g] = lse[0];
@@ -156,10 +163,11 @@ template <typename T, int D>
 cudaError_t launch_fwd(const AttentionFwdParams& p, cudaStream_t stream) {
   using Tile = FwdTile<D>;
   const auto kernel = attention_fwd_kernel<T, D>;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               Tile::kSmemBytes);
+  const cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid((p.shape.len_q + Tile::kBlockM - 1) / Tile::kBlockM, p.shape.heads, p.shape.batch);
+  const dim3 grid((p.shape.len_q + Tile::kBlockM - 1) / Tile::kBlockM, p.shape.heads,
+                  p.shape.batch);
   kernel<<<grid, Tile::kThreads, Tile::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }

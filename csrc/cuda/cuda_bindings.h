@@ -155,13 +155,16 @@ inline std::vector<at::Tensor> add_norm_bwd(const at::Tensor& dy, const c10::opt
   return {dz, dweight, dbias};
 }
 
-// ---- attention ---------------------------------------------------------------------------------
+inline cudaStream_t current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+// ---- attention ------------------------------------------------------------------------------
 // The kernels copy 16-byte chunks: data 16-byte aligned and the (batch, head, row) strides
 // multiples of 8 elements. A view that is not (an odd slice offset: never on the hot path of
 // a model) is copied once.
 inline at::Tensor attention_aligned(const at::Tensor& t) {
   TORCH_CHECK(t.dim() == 4, "fastformer CUDA attention: expected a 4-D tensor");
-  TORCH_CHECK(t.stride(3) == 1 || t.size(3) <= 1, "fastformer CUDA attention: last dim must be contiguous");
+  TORCH_CHECK(t.stride(3) == 1 || t.size(3) <= 1,
+              "fastformer CUDA attention: last dim must be contiguous");
   bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
   for (int64_t d = 0; d < 3; ++d) ok = ok && (t.size(d) <= 1 || t.stride(d) % 8 == 0);
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
@@ -179,7 +182,8 @@ inline AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k, 
                                       const c10::optional<at::Tensor>& key_padding_mask,
                                       int64_t causal, double scale, double dropout_p) {
   TORCH_CHECK(!(attn_mask.has_value() && attn_mask->defined()),
-              "fastformer CUDA attention: attn_mask is not supported (the dispatcher sends it to triton)");
+              "fastformer CUDA attention: attn_mask is not supported (backends.py sends it to "
+              "triton)");
   TORCH_CHECK(dropout_p == 0.0, "fastformer CUDA attention: dropout is not supported");
   TORCH_CHECK(causal >= 0 && causal <= 2, "fastformer CUDA attention: causal must be 0, 1 or 2");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
@@ -189,7 +193,8 @@ inline AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k, 
   s.head_dim = static_cast<int>(q.size(3));
   TORCH_CHECK(attention_supported(s.dtype, s.head_dim),
               "fastformer CUDA attention: fp16/bf16 with head dim 64 or 128 only");
-  TORCH_CHECK(k.size(3) == q.size(3) && v.size(3) == q.size(3), "fastformer CUDA attention: head dims differ");
+  TORCH_CHECK(k.size(3) == q.size(3) && v.size(3) == q.size(3),
+              "fastformer CUDA attention: head dims differ");
   s.batch = q.size(0);
   s.heads = q.size(1);
   s.kv_heads = k.size(1);
@@ -236,7 +241,7 @@ inline std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tens
   p.v = heads_in(va);
   p.out = heads_out(out);
   p.lse = lse.data_ptr<float>();
-  check_launch(cuda::attention_fwd(p, c10::cuda::getCurrentCUDAStream().stream()), "attention_fwd");
+  check_launch(cuda::attention_fwd(p, current_stream()), "attention_fwd");
   return {out, lse};
 }
 
@@ -275,13 +280,14 @@ inline std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::T
   p.dv = heads_out(dv);
   p.dq_accum = dq_accum.data_ptr<float>();
   p.delta = delta.data_ptr<float>();
-  check_launch(cuda::attention_bwd(p, c10::cuda::getCurrentCUDAStream().stream()), "attention_bwd");
+  check_launch(cuda::attention_bwd(p, current_stream()), "attention_bwd");
   return {dq, dk, dv};
 }
 
 // ---- FFN epilogues --------------------------------------------------------------------------
 inline Activation ffn_activation(int64_t code) {
-  TORCH_CHECK(code >= 0 && code <= 3, "fastformer CUDA FFN: activation code must be 0..3, got ", code);
+  TORCH_CHECK(code >= 0 && code <= 3, "fastformer CUDA FFN: activation code must be 0..3, got ",
+              code);
   return static_cast<Activation>(code);
 }
 
@@ -320,7 +326,7 @@ inline at::Tensor ffn_bias_act_fwd(const at::Tensor& x, const c10::optional<at::
   }
   p.y = y.data_ptr();
   p.y_row_stride = p.cols;
-  check_launch(cuda::bias_act_fwd(p, c10::cuda::getCurrentCUDAStream().stream()), "ffn_bias_act_fwd");
+  check_launch(cuda::bias_act_fwd(p, current_stream()), "ffn_bias_act_fwd");
   return y;
 }
 
@@ -356,11 +362,12 @@ inline std::vector<at::Tensor> ffn_bias_act_bwd(const at::Tensor& dy, const at::
     p.dbias_part = part.data_ptr<float>();
     p.dbias = dbias.data_ptr();
   }
-  check_launch(cuda::bias_act_bwd(p, c10::cuda::getCurrentCUDAStream().stream()), "ffn_bias_act_bwd");
+  check_launch(cuda::bias_act_bwd(p, current_stream()), "ffn_bias_act_bwd");
   return {dx, dbias};
 }
 
-inline at::Tensor ffn_gated_act_fwd(const at::Tensor& gate, const at::Tensor& up, int64_t activation) {
+inline at::Tensor ffn_gated_act_fwd(const at::Tensor& gate, const at::Tensor& up,
+                                    int64_t activation) {
   c10::cuda::CUDAGuard guard(gate.device());
   TORCH_CHECK(up.sizes() == gate.sizes() && up.scalar_type() == gate.scalar_type(),
               "fastformer CUDA FFN: gate and up must match");
@@ -375,7 +382,7 @@ inline at::Tensor ffn_gated_act_fwd(const at::Tensor& gate, const at::Tensor& up
   p.up_row_stride = uniform_row_stride(up);
   p.h = h.data_ptr();
   p.h_row_stride = p.cols;
-  check_launch(cuda::gated_act_fwd(p, c10::cuda::getCurrentCUDAStream().stream()), "ffn_gated_act_fwd");
+  check_launch(cuda::gated_act_fwd(p, current_stream()), "ffn_gated_act_fwd");
   return h;
 }
 
@@ -400,7 +407,7 @@ inline std::vector<at::Tensor> ffn_gated_act_bwd(const at::Tensor& dh, const at:
   p.dgate_row_stride = p.cols;
   p.dup = dup.data_ptr();
   p.dup_row_stride = p.cols;
-  check_launch(cuda::gated_act_bwd(p, c10::cuda::getCurrentCUDAStream().stream()), "ffn_gated_act_bwd");
+  check_launch(cuda::gated_act_bwd(p, current_stream()), "ffn_gated_act_bwd");
   return {dgate, dup};
 }
 

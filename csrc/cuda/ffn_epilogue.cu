@@ -26,91 +26,98 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxRowGroups = 65535;  // grid.y limit
 
-// kN consecutive elements [col, col + kN) of a row, as floats. kVector: the chunk is in range and
-// 16-byte aligned (one vector access); otherwise elements past `cols` read as 0 / are skipped.
-template <typename T, int kN, bool kVector>
-__device__ __forceinline__ void load_chunk(float (&v)[kN], const T* row, int64_t col, int64_t cols) {
-  if constexpr (kVector) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(row + col);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < kN; ++i) v[i] = to_float<T>(e[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < kN; ++i) v[i] = col + i < cols ? to_float<T>(row[col + i]) : 0.f;
-  }
-}
-
-template <typename T, int kN, bool kVector>
-__device__ __forceinline__ void store_chunk(T* row, int64_t col, int64_t cols, const float (&v)[kN]) {
-  if constexpr (kVector) {
-    uint4 raw;
-    T* e = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < kN; ++i) e[i] = from_float<T>(v[i]);
-    *reinterpret_cast<uint4*>(row + col) = raw;
-  } else {
-#pragma unroll
-    for (int i = 0; i < kN; ++i)
-      if (col + i < cols) row[col + i] = from_float<T>(v[i]);
-  }
-}
-
 template <typename T>
 constexpr int kVecWidth = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
 
-// First column of this thread's chunk.
-template <int kN>
-__device__ __forceinline__ int64_t chunk_col() {
-  return (static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kN;
-}
+// This thread's columns [col, col + kN) of the (rows, cols) matrices of a kernel, read as and
+// written from floats. kVector: every chunk is in range and 16-byte aligned (one vector access
+// per row); otherwise element by element, columns past `cols` reading as 0 and not written.
+template <typename T, bool kVector>
+struct Chunk {
+  static constexpr int kN = kVecWidth<T>;
+  int64_t col, cols;
 
-template <int kN>
-__device__ __forceinline__ void load_bias(float (&b)[kN], const void* bias, DType dtype, int64_t col,
-                                          int64_t cols) {
+  __device__ __forceinline__ Chunk(int64_t cols_)
+      : col((static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x) * kN), cols(cols_) {}
+
+  __device__ __forceinline__ bool empty() const { return col >= cols; }
+
+  __device__ __forceinline__ void load(float (&v)[kN], const void* base, int64_t row,
+                                       int64_t row_stride) const {
+    const T* src = static_cast<const T*>(base) + row * row_stride + col;
+    if constexpr (kVector) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(src);
+      const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-  for (int i = 0; i < kN; ++i) b[i] = col + i < cols ? read_param(bias, dtype, col + i, 0.f) : 0.f;
-}
+      for (int i = 0; i < kN; ++i) v[i] = to_float<T>(e[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < kN; ++i) v[i] = col + i < cols ? to_float<T>(src[i]) : 0.f;
+    }
+  }
+
+  __device__ __forceinline__ void store(void* base, int64_t row, int64_t row_stride,
+                                        const float (&v)[kN]) const {
+    T* dst = static_cast<T*>(base) + row * row_stride + col;
+    if constexpr (kVector) {
+      uint4 raw;
+      T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < kN; ++i) e[i] = from_float<T>(v[i]);
+      *reinterpret_cast<uint4*>(dst) = raw;
+    } else {
+#pragma unroll
+      for (int i = 0; i < kN; ++i)
+        if (col + i < cols) dst[i] = from_float<T>(v[i]);
+    }
+  }
+
+  __device__ __forceinline__ void load_bias(float (&b)[kN], const void* bias, DType dtype) const {
+#pragma unroll
+    for (int i = 0; i < kN; ++i)
+      b[i] = col + i < cols ? read_param(bias, dtype, col + i, 0.f) : 0.f;
+  }
+};
 
 template <typename T, Activation A, bool kVector>
 __global__ void __launch_bounds__(kThreads) bias_act_fwd_kernel(const BiasActFwdParams p) {
-  constexpr int kN = kVecWidth<T>;
-  const int64_t col = chunk_col<kN>();
-  if (col >= p.cols) return;
-  float b[kN];
-  load_bias(b, p.bias, p.bias_dtype, col, p.cols);
+  using C = Chunk<T, kVector>;
+  const C chunk(p.cols);
+  if (chunk.empty()) return;
+  float b[C::kN];
+  chunk.load_bias(b, p.bias, p.bias_dtype);
   for (int64_t row = blockIdx.y; row < p.rows; row += gridDim.y) {
-    float v[kN];
-    load_chunk<T, kN, kVector>(v, static_cast<const T*>(p.x) + row * p.x_row_stride, col, p.cols);
+    float v[C::kN];
+    chunk.load(v, p.x, row, p.x_row_stride);
 #pragma unroll
-    for (int i = 0; i < kN; ++i) v[i] = activation<A>(v[i] + b[i]);
-    store_chunk<T, kN, kVector>(static_cast<T*>(p.y) + row * p.y_row_stride, col, p.cols, v);
+    for (int i = 0; i < C::kN; ++i) v[i] = activation<A>(v[i] + b[i]);
+    chunk.store(p.y, row, p.y_row_stride, v);
   }
 }
 
 template <typename T, Activation A, bool kVector>
 __global__ void __launch_bounds__(kThreads) bias_act_bwd_kernel(const BiasActBwdParams p) {
-  constexpr int kN = kVecWidth<T>;
-  const int64_t col = chunk_col<kN>();
-  if (col >= p.cols) return;
-  float b[kN], db[kN] = {};
-  load_bias(b, p.bias, p.bias_dtype, col, p.cols);
+  using C = Chunk<T, kVector>;
+  const C chunk(p.cols);
+  if (chunk.empty()) return;
+  float b[C::kN], db[C::kN] = {};
+  chunk.load_bias(b, p.bias, p.bias_dtype);
   for (int64_t row = blockIdx.y; row < p.rows; row += gridDim.y) {
-    float x[kN], g[kN];
-    load_chunk<T, kN, kVector>(x, static_cast<const T*>(p.x) + row * p.x_row_stride, col, p.cols);
-    load_chunk<T, kN, kVector>(g, static_cast<const T*>(p.dy) + row * p.dy_row_stride, col, p.cols);
+    float x[C::kN], g[C::kN];
+    chunk.load(x, p.x, row, p.x_row_stride);
+    chunk.load(g, p.dy, row, p.dy_row_stride);
 #pragma unroll
-    for (int i = 0; i < kN; ++i) {
+    for (int i = 0; i < C::kN; ++i) {
       g[i] *= activation_value_grad<A>(x[i] + b[i]).grad;
       db[i] += g[i];
     }
-    store_chunk<T, kN, kVector>(static_cast<T*>(p.dx) + row * p.dx_row_stride, col, p.cols, g);
+    chunk.store(p.dx, row, p.dx_row_stride, g);
   }
   if (p.dbias_part != nullptr) {
     float* part = p.dbias_part + blockIdx.y * p.cols;
 #pragma unroll
-    for (int i = 0; i < kN; ++i)
-      if (col + i < p.cols) part[col + i] = db[i];
+    for (int i = 0; i < C::kN; ++i)
+      if (chunk.col + i < p.cols) part[chunk.col + i] = db[i];
   }
 }
 
@@ -130,37 +137,37 @@ __global__ void sum_row_groups_kernel(const float* part, int groups, int64_t col
 
 template <typename T, Activation A, bool kVector>
 __global__ void __launch_bounds__(kThreads) gated_act_fwd_kernel(const GatedActFwdParams p) {
-  constexpr int kN = kVecWidth<T>;
-  const int64_t col = chunk_col<kN>();
-  if (col >= p.cols) return;
+  using C = Chunk<T, kVector>;
+  const C chunk(p.cols);
+  if (chunk.empty()) return;
   for (int64_t row = blockIdx.y; row < p.rows; row += gridDim.y) {
-    float gate[kN], up[kN];
-    load_chunk<T, kN, kVector>(gate, static_cast<const T*>(p.gate) + row * p.gate_row_stride, col, p.cols);
-    load_chunk<T, kN, kVector>(up, static_cast<const T*>(p.up) + row * p.up_row_stride, col, p.cols);
+    float gate[C::kN], up[C::kN];
+    chunk.load(gate, p.gate, row, p.gate_row_stride);
+    chunk.load(up, p.up, row, p.up_row_stride);
 #pragma unroll
-    for (int i = 0; i < kN; ++i) gate[i] = activation<A>(gate[i]) * up[i];
-    store_chunk<T, kN, kVector>(static_cast<T*>(p.h) + row * p.h_row_stride, col, p.cols, gate);
+    for (int i = 0; i < C::kN; ++i) gate[i] = activation<A>(gate[i]) * up[i];
+    chunk.store(p.h, row, p.h_row_stride, gate);
   }
 }
 
 template <typename T, Activation A, bool kVector>
 __global__ void __launch_bounds__(kThreads) gated_act_bwd_kernel(const GatedActBwdParams p) {
-  constexpr int kN = kVecWidth<T>;
-  const int64_t col = chunk_col<kN>();
-  if (col >= p.cols) return;
+  using C = Chunk<T, kVector>;
+  const C chunk(p.cols);
+  if (chunk.empty()) return;
   for (int64_t row = blockIdx.y; row < p.rows; row += gridDim.y) {
-    float dh[kN], gate[kN], up[kN];
-    load_chunk<T, kN, kVector>(dh, static_cast<const T*>(p.dh) + row * p.dh_row_stride, col, p.cols);
-    load_chunk<T, kN, kVector>(gate, static_cast<const T*>(p.gate) + row * p.gate_row_stride, col, p.cols);
-    load_chunk<T, kN, kVector>(up, static_cast<const T*>(p.up) + row * p.up_row_stride, col, p.cols);
+    float dh[C::kN], gate[C::kN], up[C::kN];
+    chunk.load(dh, p.dh, row, p.dh_row_stride);
+    chunk.load(gate, p.gate, row, p.gate_row_stride);
+    chunk.load(up, p.up, row, p.up_row_stride);
 #pragma unroll
-    for (int i = 0; i < kN; ++i) {
+    for (int i = 0; i < C::kN; ++i) {
       const ValueGrad<float> a = activation_value_grad<A>(gate[i]);
       gate[i] = dh[i] * up[i] * a.grad;  // d gate
       up[i] = dh[i] * a.value;           // d up
     }
-    store_chunk<T, kN, kVector>(static_cast<T*>(p.dgate) + row * p.dgate_row_stride, col, p.cols, gate);
-    store_chunk<T, kN, kVector>(static_cast<T*>(p.dup) + row * p.dup_row_stride, col, p.cols, up);
+    chunk.store(p.dgate, row, p.dgate_row_stride, gate);
+    chunk.store(p.dup, row, p.dup_row_stride, up);
   }
 }
 
@@ -179,7 +186,9 @@ dim3 grid_for(int64_t rows, int64_t cols, int row_groups) {
   return dim3(static_cast<unsigned>((cols + chunk - 1) / chunk), static_cast<unsigned>(row_groups));
 }
 
-int default_row_groups(int64_t rows) { return static_cast<int>(std::min<int64_t>(rows, kMaxRowGroups)); }
+int default_row_groups(int64_t rows) {
+  return static_cast<int>(std::min<int64_t>(rows, kMaxRowGroups));
+}
 
 // f(T{}, tag, bool_constant<kVector>) for p's dtype and activation.
 template <typename Params, typename F>
@@ -188,8 +197,10 @@ void dispatch(const Params& p, bool vector_ok_f32, bool vector_ok_16, F&& f) {
     using T = decltype(type_tag);
     const bool vec = sizeof(T) == 4 ? vector_ok_f32 : vector_ok_16;
     dispatch_activation(p.act, [&](auto act_tag) {
-      if (vec) f(type_tag, act_tag, std::true_type{});
-      else f(type_tag, act_tag, std::false_type{});
+      if (vec)
+        f(type_tag, act_tag, std::true_type{});
+      else
+        f(type_tag, act_tag, std::false_type{});
     });
   });
 }
@@ -204,12 +215,13 @@ int bias_act_bwd_row_groups(int64_t rows, int64_t cols, int sm_count) {
 cudaError_t bias_act_fwd(const BiasActFwdParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
   const auto mats = {std::pair<const void*, int64_t>{p.x, p.x_row_stride}, {p.y, p.y_row_stride}};
-  dispatch(p, vectorizable<float>(p.cols, mats), vectorizable<__half>(p.cols, mats),
-           [&](auto type_tag, auto act_tag, auto vec) {
-             using T = decltype(type_tag);
-             bias_act_fwd_kernel<T, decltype(act_tag)::value, decltype(vec)::value>
-                 <<<grid_for<T>(p.rows, p.cols, default_row_groups(p.rows)), kThreads, 0, stream>>>(p);
-           });
+  dispatch(
+      p, vectorizable<float>(p.cols, mats), vectorizable<__half>(p.cols, mats),
+      [&](auto type_tag, auto act_tag, auto vec) {
+        using T = decltype(type_tag);
+        bias_act_fwd_kernel<T, decltype(act_tag)::value, decltype(vec)::value>
+            <<<grid_for<T>(p.rows, p.cols, default_row_groups(p.rows)), kThreads, 0, stream>>>(p);
+      });
   return cudaGetLastError();
 }
 
@@ -217,7 +229,8 @@ cudaError_t bias_act_bwd(const BiasActBwdParams& p, cudaStream_t stream) {
   if (p.cols == 0) return cudaSuccess;
   const int groups = p.dbias != nullptr ? p.row_groups : default_row_groups(p.rows);
   if (p.rows > 0) {
-    const auto mats = {std::pair<const void*, int64_t>{p.x, p.x_row_stride}, {p.dy, p.dy_row_stride},
+    const auto mats = {std::pair<const void*, int64_t>{p.x, p.x_row_stride},
+                       {p.dy, p.dy_row_stride},
                        {p.dx, p.dx_row_stride}};
     dispatch(p, vectorizable<float>(p.cols, mats), vectorizable<__half>(p.cols, mats),
              [&](auto type_tag, auto act_tag, auto vec) {
@@ -238,27 +251,32 @@ cudaError_t bias_act_bwd(const BiasActBwdParams& p, cudaStream_t stream) {
 cudaError_t gated_act_fwd(const GatedActFwdParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
   const auto mats = {std::pair<const void*, int64_t>{p.gate, p.gate_row_stride},
-                     {p.up, p.up_row_stride}, {p.h, p.h_row_stride}};
-  dispatch(p, vectorizable<float>(p.cols, mats), vectorizable<__half>(p.cols, mats),
-           [&](auto type_tag, auto act_tag, auto vec) {
-             using T = decltype(type_tag);
-             gated_act_fwd_kernel<T, decltype(act_tag)::value, decltype(vec)::value>
-                 <<<grid_for<T>(p.rows, p.cols, default_row_groups(p.rows)), kThreads, 0, stream>>>(p);
-           });
+                     {p.up, p.up_row_stride},
+                     {p.h, p.h_row_stride}};
+  dispatch(
+      p, vectorizable<float>(p.cols, mats), vectorizable<__half>(p.cols, mats),
+      [&](auto type_tag, auto act_tag, auto vec) {
+        using T = decltype(type_tag);
+        gated_act_fwd_kernel<T, decltype(act_tag)::value, decltype(vec)::value>
+            <<<grid_for<T>(p.rows, p.cols, default_row_groups(p.rows)), kThreads, 0, stream>>>(p);
+      });
   return cudaGetLastError();
 }
 
 cudaError_t gated_act_bwd(const GatedActBwdParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
   const auto mats = {std::pair<const void*, int64_t>{p.dh, p.dh_row_stride},
-                     {p.gate, p.gate_row_stride}, {p.up, p.up_row_stride},
-                     {p.dgate, p.dgate_row_stride}, {p.dup, p.dup_row_stride}};
-  dispatch(p, vectorizable<float>(p.cols, mats), vectorizable<__half>(p.cols, mats),
-           [&](auto type_tag, auto act_tag, auto vec) {
-             using T = decltype(type_tag);
-             gated_act_bwd_kernel<T, decltype(act_tag)::value, decltype(vec)::value>
-                 <<<grid_for<T>(p.rows, p.cols, default_row_groups(p.rows)), kThreads, 0, stream>>>(p);
-           });
+                     {p.gate, p.gate_row_stride},
+                     {p.up, p.up_row_stride},
+                     {p.dgate, p.dgate_row_stride},
+                     {p.dup, p.dup_row_stride}};
+  dispatch(
+      p, vectorizable<float>(p.cols, mats), vectorizable<__half>(p.cols, mats),
+      [&](auto type_tag, auto act_tag, auto vec) {
+        using T = decltype(type_tag);
+        gated_act_bwd_kernel<T, decltype(act_tag)::value, decltype(vec)::value>
+            <<<grid_for<T>(p.rows, p.cols, default_row_groups(p.rows)), kThreads, 0, stream>>>(p);
+      });
   return cudaGetLastError();
 }
 

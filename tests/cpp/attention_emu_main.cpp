@@ -5,13 +5,15 @@
 //
 // Usage: attention_emu DIR. DIR/params.txt holds, whitespace-separated:
 //   dtype(1 f16, 2 bf16) head_dim B H Hkv Lq Lk causal scale has_key_padding
-//   then (batch, head, row) element strides of q, k, v, dout
-// and DIR/{q,k,v,dout}.bin the 16-bit storage those strides index, DIR/kpm.bin the (B, Lk)
-// bool key padding mask. Writes DIR/{out,lse,dq,dk,dv}.bin.
+//   then for each of q, k, v, dout: FILE OFFSET BATCH_STRIDE HEAD_STRIDE ROW_STRIDE, the tensor
+//   being element (b, h, i, d) = DIR/FILE's 16-bit storage at OFFSET + b*BATCH_STRIDE + ...
+//   (tensors may share a file: k and v as views of one packed buffer)
+// and DIR/kpm.bin the (B, Lk) bool key padding mask. Writes DIR/{out,lse,dq,dk,dv}.bin.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -73,18 +75,25 @@ int main(int argc, char** argv) {
   FILE* pf = fopen((dir + "/params.txt").c_str(), "r");
   if (!pf) return 2;
   int dtype, head_dim, causal, has_kpm;
-  long long B, H, Hkv, Lq, Lk, strides[4][3];
+  long long B, H, Hkv, Lq, Lk;
   float scale;
   if (fscanf(pf, "%d %d %lld %lld %lld %lld %lld %d %f %d", &dtype, &head_dim, &B, &H, &Hkv, &Lq,
              &Lk, &causal, &scale, &has_kpm) != 10)
     return 2;
-  for (auto& s : strides)
-    if (fscanf(pf, "%lld %lld %lld", &s[0], &s[1], &s[2]) != 3) return 2;
+  std::map<std::string, Buffer> files;
+  cuda::HeadsIn inputs[4];  // q, k, v, dout
+  for (cuda::HeadsIn& t : inputs) {
+    char name[64];
+    long long offset;
+    if (fscanf(pf, "%63s %lld %lld %lld %lld", name, &offset, &t.batch, &t.head, &t.row) != 5)
+      return 2;
+    auto it = files.find(name);
+    if (it == files.end()) it = files.emplace(name, Buffer(read_file(dir + "/" + name))).first;
+    t.data = static_cast<const char*>(it->second.data()) + 2 * offset;
+  }
   fclose(pf);
-
-  Buffer q(read_file(dir + "/q.bin")), k(read_file(dir + "/k.bin")), v(read_file(dir + "/v.bin"));
-  Buffer dout(read_file(dir + "/dout.bin"));
-  std::vector<unsigned char> kpm = has_kpm ? read_file(dir + "/kpm.bin") : std::vector<unsigned char>();
+  std::vector<unsigned char> kpm =
+      has_kpm ? read_file(dir + "/kpm.bin") : std::vector<unsigned char>();
 
   cuda::AttentionShape shape;
   shape.dtype = static_cast<DType>(dtype);
@@ -101,18 +110,15 @@ int main(int argc, char** argv) {
     shape.key_padding_batch_stride = Lk;
     shape.key_padding_key_stride = 1;
   }
-  auto in = [&](Buffer& b, int i) {
-    return cuda::HeadsIn{b.data(), strides[i][0], strides[i][1], strides[i][2]};
-  };
   const long long D = head_dim;
 
   // forward: out (B, Lq, H, D) seen as (B, H, Lq, D)
   Buffer out(2 * B * Lq * H * D), lse(4 * B * H * Lq);
   cuda::AttentionFwdParams fp;
   fp.shape = shape;
-  fp.q = in(q, 0);
-  fp.k = in(k, 1);
-  fp.v = in(v, 2);
+  fp.q = inputs[0];
+  fp.k = inputs[1];
+  fp.v = inputs[2];
   fp.out = {out.data(), Lq * H * D, D, H * D};
   fp.lse = static_cast<float*>(lse.data());
   check(cuda::attention_fwd(fp, nullptr), "attention_fwd");
@@ -125,7 +131,7 @@ int main(int argc, char** argv) {
   bp.k = fp.k;
   bp.v = fp.v;
   bp.out = {out.data(), Lq * H * D, D, H * D};
-  bp.dout = in(dout, 3);
+  bp.dout = inputs[3];
   bp.lse = fp.lse;
   bp.dq = {dq.data(), H * Lq * D, Lq * D, D};
   bp.dk = {dk.data(), Hkv * Lk * D, Lk * D, D};

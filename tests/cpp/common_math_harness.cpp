@@ -32,11 +32,11 @@ struct Vec4 {
   Vec4() = default;
   Vec4(double c) { v[0] = v[1] = v[2] = v[3] = static_cast<float>(c); }  // NOLINT: broadcast
 };
-#define VEC4_OP(op)                                           \
-  inline Vec4 operator op(const Vec4& a, const Vec4& b) {     \
-    Vec4 r;                                                   \
-    for (int i = 0; i < 4; ++i) r.v[i] = a.v[i] op b.v[i];    \
-    return r;                                                 \
+#define VEC4_OP(op)                                        \
+  inline Vec4 operator op(const Vec4& a, const Vec4& b) {  \
+    Vec4 r;                                                \
+    for (int i = 0; i < 4; ++i) r.v[i] = a.v[i] op b.v[i]; \
+    return r;                                              \
   }
 VEC4_OP(+)
 VEC4_OP(-)
@@ -95,15 +95,18 @@ void online_softmax(bool log2_domain, size_t block, const std::vector<double>& s
     const size_t b1 = std::min(s.size(), b0 + block);
     T block_max = -INFINITY;
     for (size_t j = b0; j < b1; ++j) {
-      const T x = log2_domain ? static_cast<T>(s[j]) * static_cast<T>(kLog2e) : static_cast<T>(s[j]);
+      const T x =
+          log2_domain ? static_cast<T>(s[j]) * static_cast<T>(kLog2e) : static_cast<T>(s[j]);
       block_max = std::max(block_max, x);
     }
     const T m_new = std::max(m, block_max);
-    const T alpha = log2_domain ? online_softmax_alpha_log2(m, m_new) : online_softmax_alpha(m, m_new);
+    const T alpha =
+        log2_domain ? online_softmax_alpha_log2(m, m_new) : online_softmax_alpha(m, m_new);
     const T shift = softmax_shift(m_new);
     T p_sum = 0, pv_sum = 0;
     for (size_t j = b0; j < b1; ++j) {
-      const T x = log2_domain ? static_cast<T>(s[j]) * static_cast<T>(kLog2e) : static_cast<T>(s[j]);
+      const T x =
+          log2_domain ? static_cast<T>(s[j]) * static_cast<T>(kLog2e) : static_cast<T>(s[j]);
       const T p = log2_domain ? static_cast<T>(exp2(x - shift)) : static_cast<T>(exp(x - shift));
       p_sum += p;
       pv_sum += p * static_cast<T>(v[j]);
@@ -139,17 +142,22 @@ int main() {
       const std::vector<double> xs = read_doubles(std::cin, n);
       dispatch_activation(static_cast<Activation>(kind), [&](auto tag) {
         constexpr Activation A = decltype(tag)::value;
-        if (type == 'f') act_scalars<A, float>(xs);
-        else if (type == 'd') act_scalars<A, double>(xs);
-        else act_vec4<A>(xs);
+        if (type == 'f')
+          act_scalars<A, float>(xs);
+        else if (type == 'd')
+          act_scalars<A, double>(xs);
+        else
+          act_vec4<A>(xs);
       });
     } else if (cmd == "softmax") {
       char type, domain;
       size_t cols, block;
       std::cin >> type >> domain >> cols >> block;
       const std::vector<double> s = read_doubles(std::cin, cols), v = read_doubles(std::cin, cols);
-      if (type == 'f') online_softmax<float>(domain == '2', block, s, v);
-      else online_softmax<double>(domain == '2', block, s, v);
+      if (type == 'f')
+        online_softmax<float>(domain == '2', block, s, v);
+      else
+        online_softmax<double>(domain == '2', block, s, v);
     } else if (cmd == "philox") {
       unsigned long long seed, c;
       size_t n;
@@ -195,7 +203,8 @@ int main() {
         sum_m2 += st.m2;
         sum_sq_dev += (st.mean - mean) * (st.mean - mean);
       }
-      const WelfordState<double> r = welford_merge_equal<double>(count, k, mean, sum_m2, sum_sq_dev);
+      const WelfordState<double> r =
+          welford_merge_equal<double>(count, k, mean, sum_m2, sum_sq_dev);
       print(r.count);
       print(r.mean);
       print(r.m2);

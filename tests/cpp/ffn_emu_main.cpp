@@ -62,8 +62,8 @@ int main(int argc, char** argv) {
   std::vector<unsigned char> a = read_file(dir + "/a.bin", rows * stride * elt);
   std::vector<unsigned char> b = read_file(dir + "/b.bin", rows * stride * elt);
   std::vector<unsigned char> c = read_file(dir + "/c.bin", rows * stride * elt);
-  std::vector<unsigned char> bias = has_bias ? read_file(dir + "/bias.bin", cols * elt)
-                                             : std::vector<unsigned char>();
+  std::vector<unsigned char> bias =
+      has_bias ? read_file(dir + "/bias.bin", cols * elt) : std::vector<unsigned char>();
   const size_t out_bytes = rows * cols * elt;
   std::vector<unsigned char> y(out_bytes, 0xff), dx(out_bytes, 0xff), h(out_bytes, 0xff),
       dgate(out_bytes, 0xff), dup(out_bytes, 0xff), dbias(cols * elt, 0xff);

@@ -1,18 +1,21 @@
 // A CPU emulator for the CUDA kernels of csrc/cuda, so their indexing, fragment layouts,
 // masking and synchronization are executed and checked on a machine without a GPU. Force-
 // included (g++ -include) before a kernel file whose `kernel<<<...>>>(args)` launches and
-// `extern __shared__` declaration tests/test_cuda_backend.py has rewritten into emu:: calls.
+// `extern __shared__` declaration tests/test_cuda_backend.py has rewritten into emu:: calls;
+// emu/cuda/mma.cuh stands in for csrc/cuda/mma.cuh (it comes first on the include path).
 //
-// Model: the blocks of a grid run one after another; every thread of a block is a fiber
-// with its own stack, and the fibers switch only at synchronization points:
-// __syncthreads (all threads of the block) and the warp-collective operations (shuffles and,
-// in emu/cuda/mma.cuh, ldmatrix and mma), which are evaluated once all 32 lanes have arrived,
-// like the hardware's .sync instructions. The next fiber to run is drawn at random (seeded by
-// EMU_SEED),
-// so results that depend on a missing barrier vary between seeds. Shared memory starts
-// filled with 0xff bytes (NaN in every float format) so reads of unwritten smem show up as
-// NaN in the results. cp.async copies are done at the issue (eager) or deferred to the issuing
-// thread's wait (lazy), chosen by EMU_CP_ASYNC=eager|lazy, to expose both orders.
+// Model: the blocks of a grid run one after another; every thread of a block is a fiber with
+// its own stack, and fibers switch only at synchronization points: __syncthreads (all threads
+// of the block) and the warp-collective operations (shuffles and, in emu/cuda/mma.cuh,
+// ldmatrix and mma), evaluated once all 32 lanes have arrived, like the hardware's .sync
+// instructions. The next fiber to run is drawn at random (seeded by EMU_SEED), so results that
+// depend on a missing barrier vary between seeds. Shared memory starts filled with 0xff bytes
+// (NaN in every float format), so reads of unwritten smem show up as NaN in the results.
+// cp.async copies land at the issue (EMU_CP_ASYNC=eager, the default) or at the issuing
+// thread's wait (lazy), to expose both orders. Not modelled: memory-model subtleties beyond
+// barriers, timing, and the hardware's summation order inside mma (exact products, fp32 sums
+// here). Removing either __syncthreads of the forward's key loop, or the one before the
+// backward's dQ, makes tests/test_cuda_backend.py fail.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -39,9 +42,9 @@ struct Copy16 {
   bool valid;
 };
 
-// Stack switch (weak: every translation unit carries a copy): saves the callee-saved
-// registers on the current stack, stores the stack
-// pointer in *save_sp and resumes the context whose stack pointer is new_sp.
+// Stack switch (weak: every translation unit carries a copy): saves the callee-saved registers
+// on the current stack, stores the stack pointer in *save_sp and resumes the context whose stack
+// pointer is new_sp (a switch costs a few ns; ucontext's swapcontext makes two syscalls).
 extern "C" void emu_switch(void** save_sp, void* new_sp);
 #if defined(__x86_64__)
 asm(R"(
@@ -139,7 +142,7 @@ inline void fiber_main() {
   if (!self().pending.empty()) fail("thread exited with cp.async copies not waited for");
   self().done = true;
   if (--g_block->live > 0 && g_block->bar_arrived == g_block->live) {  // exited threads do not
-    g_block->bar_arrived = 0;                                         // hold up a barrier
+    g_block->bar_arrived = 0;                                          // hold up a barrier
     for (size_t i = 0; i < g_block->fibers.size(); ++i) wake(static_cast<int>(i));
   }
   void* dead_sp;
@@ -236,29 +239,34 @@ inline const uint32_t* warp_collective(int kind, const uint32_t* in, int words, 
 }
 
 template <typename V>
-inline V shfl_xor(V v, int lane_mask) {
+__attribute__((noinline)) V shfl_xor(V v, int lane_mask) {
   static_assert(sizeof(V) == 4, "32-bit shuffles only");
   uint32_t word;
   memcpy(&word, &v, 4);
-  const uint32_t* r = warp_collective(0, &word, 1, [&](uint32_t (&in)[32][kMaxWords], uint32_t (&out)[32][kMaxWords]) {
-    for (int l = 0; l < 32; ++l) out[l][0] = in[l ^ lane_mask][0];
-  });
+  const uint32_t* r = warp_collective(
+      0, &word, 1, [&](uint32_t (&in)[32][kMaxWords], uint32_t (&out)[32][kMaxWords]) {
+        for (int l = 0; l < 32; ++l) out[l][0] = in[l ^ lane_mask][0];
+      });
   V res;
   memcpy(&res, r, 4);
   return res;
 }
 
 inline void do_copy(const Copy16& c) {
-  if (c.valid) memcpy(c.dst, c.src, 16);
-  else memset(c.dst, 0, 16);
+  if (c.valid)
+    memcpy(c.dst, c.src, 16);
+  else
+    memset(c.dst, 0, 16);
 }
 
 inline void cp_async_16(void* dst, const void* src, bool valid) {
   check_smem(dst, 16, "cp.async destination outside shared memory");
   if (reinterpret_cast<uintptr_t>(dst) % 16 || (valid && reinterpret_cast<uintptr_t>(src) % 16))
     fail("cp.async address not 16-byte aligned");
-  if (g_lazy_copies) self().pending.push_back({dst, src, valid});
-  else do_copy({dst, src, valid});
+  if (g_lazy_copies)
+    self().pending.push_back({dst, src, valid});
+  else
+    do_copy({dst, src, valid});
 }
 
 inline void cp_async_wait_all() {

@@ -15,14 +15,18 @@ inline uint16_t load_u16(uintptr_t addr) {
   return v;
 }
 
-inline void ldmatrix(uint32_t (&r)[4], const void* row_addr, bool trans) {
+__attribute__((noinline)) inline void ldmatrix(uint32_t (&r)[4], const void* row_addr, bool trans) {
   ::emu::check_smem(row_addr, 16, "ldmatrix row address outside shared memory");
-  if (reinterpret_cast<uintptr_t>(row_addr) % 16) ::emu::fail("ldmatrix row address not 16-byte aligned");
+  if (reinterpret_cast<uintptr_t>(row_addr) % 16)
+    ::emu::fail("ldmatrix row address not 16-byte aligned");
   const uint64_t a = reinterpret_cast<uintptr_t>(row_addr);
   const uint32_t in[2] = {static_cast<uint32_t>(a), static_cast<uint32_t>(a >> 32)};
   const uint32_t* out = ::emu::warp_collective(
-      trans ? 2 : 1, in, 2, [&](uint32_t (&w)[32][::emu::kMaxWords], uint32_t (&o)[32][::emu::kMaxWords]) {
-        auto row = [&](int lane) { return (static_cast<uintptr_t>(w[lane][1]) << 32) | w[lane][0]; };
+      trans ? 2 : 1, in, 2,
+      [&](uint32_t (&w)[32][::emu::kMaxWords], uint32_t (&o)[32][::emu::kMaxWords]) {
+        auto row = [&](int lane) {
+          return (static_cast<uintptr_t>(w[lane][1]) << 32) | w[lane][0];
+        };
         for (int lane = 0; lane < 32; ++lane) {
           const int g = lane / 4, t = lane % 4;
           for (int m = 0; m < 4; ++m) {
@@ -30,7 +34,7 @@ inline void ldmatrix(uint32_t (&r)[4], const void* row_addr, bool trans) {
             if (!trans) {  // (row g, cols 2t, 2t + 1)
               lo = load_u16(row(8 * m + g) + 2 * (2 * t));
               hi = load_u16(row(8 * m + g) + 2 * (2 * t + 1));
-            } else {       // (rows 2t, 2t + 1; col g)
+            } else {  // (rows 2t, 2t + 1; col g)
               lo = load_u16(row(8 * m + 2 * t) + 2 * g);
               hi = load_u16(row(8 * m + 2 * t + 1) + 2 * g);
             }
@@ -58,11 +62,16 @@ inline float to_f<__nv_bfloat16>(uint16_t bits) {
 
 }  // namespace emu_detail
 
-inline void ldmatrix_x4(uint32_t (&r)[4], const void* row_addr) { emu_detail::ldmatrix(r, row_addr, false); }
-inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row_addr) { emu_detail::ldmatrix(r, row_addr, true); }
+inline void ldmatrix_x4(uint32_t (&r)[4], const void* row_addr) {
+  emu_detail::ldmatrix(r, row_addr, false);
+}
+inline void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row_addr) {
+  emu_detail::ldmatrix(r, row_addr, true);
+}
 
 template <typename T>
-inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+__attribute__((noinline)) inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                uint32_t b1) {
   uint32_t in[10] = {a[0], a[1], a[2], a[3], b0, b1};
   memcpy(in + 6, d, 16);
   const uint32_t* out = ::emu::warp_collective(
@@ -121,7 +130,9 @@ inline uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
   return r;
 }
 
-inline void cp_async_16(void* smem, const void* gmem, bool valid) { ::emu::cp_async_16(smem, gmem, valid); }
+inline void cp_async_16(void* smem, const void* gmem, bool valid) {
+  ::emu::cp_async_16(smem, gmem, valid);
+}
 inline void cp_async_commit() {}
 inline void cp_async_wait_all() { ::emu::cp_async_wait_all(); }
 

@@ -1,0 +1,72 @@
+"""Error catalogue (issue 8, item 6): every public function and module, each class of bad input,
+a ValueError/TypeError/NotImplementedError whose message names the argument; never a crash.
+
+Each row: (callable, exception type, argument name that must appear in the message).
+"""
+import pytest
+import torch
+
+import fastformer as ff
+
+X = torch.randn(4, 16)
+W = torch.randn(16)
+Q, K, V = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+META = torch.randn(4, 16, device="meta")
+
+CATALOGUE = {
+    # rank / shape
+    "norm: x without a normalized dim": (lambda: ff.layer_norm(torch.randn(4, 0), None, None), ValueError, "x"),
+    "norm: residual shape": (lambda: ff.add_layer_norm(X, X[:2], None, None), ValueError, "residual"),
+    "norm: weight shape": (lambda: ff.layer_norm(X, W[:3], None), ValueError, "weight"),
+    "norm: bias rank": (lambda: ff.layer_norm(X, None, W[None]), ValueError, "bias"),
+    "attention: q rank": (lambda: ff.attention(Q[0], K, V), ValueError, "q"),
+    "attention: k batch": (lambda: ff.attention(Q, K[:1], V[:1]), ValueError, "k"),
+    "attention: head dim": (lambda: ff.attention(Q, K[..., :8], V), ValueError, "k"),
+    "attention: v length": (lambda: ff.attention(Q, K, V[:, :, :4]), ValueError, "v"),
+    "attention: heads not divisible": (lambda: ff.attention(torch.randn(2, 3, 8, 16), K, V), ValueError, "q"),
+    "attention: mask shape": (lambda: ff.attention(Q, K, V, attn_mask=torch.ones(8, 8, dtype=torch.bool)), ValueError, "attn_mask"),
+    "attention: padding shape": (lambda: ff.attention(Q, K, V, key_padding_mask=torch.ones(2, 5, dtype=torch.bool)), ValueError, "key_padding_mask"),
+    "sdpa: rank mismatch": (lambda: ff.scaled_dot_product_attention(Q, K[0], V), ValueError, "query"),
+    "sdpa: mask shape": (lambda: ff.scaled_dot_product_attention(Q, Q, Q, attn_mask=torch.ones(3, 8, dtype=torch.bool)), ValueError, "attn_mask"),
+    "LayerNorm module: input shape": (lambda: ff.LayerNorm((4, 16))(torch.randn(2, 16)), ValueError, "input"),
+    # dtype
+    "norm: integer x": (lambda: ff.layer_norm(X.long(), None, None), TypeError, "x"),
+    "norm: residual dtype": (lambda: ff.add_layer_norm(X, X.double(), None, None), TypeError, "residual"),
+    "norm: weight dtype": (lambda: ff.layer_norm(X, W.to(torch.int8), None), TypeError, "weight"),
+    "attention: v dtype": (lambda: ff.attention(Q, K, V.double()), TypeError, "v"),
+    "attention: padding dtype": (lambda: ff.attention(Q, K, V, key_padding_mask=torch.zeros(2, 9)), TypeError, "key_padding_mask"),
+    "attention: mask dtype": (lambda: ff.attention(Q, K, V, attn_mask=torch.zeros(8, 9, dtype=torch.int64)), TypeError, "attn_mask"),
+    "sdpa: mask dtype": (lambda: ff.scaled_dot_product_attention(Q, Q, Q, attn_mask=torch.ones(8, 8, dtype=torch.int64)), ValueError, "attn_mask"),
+    "norm: not a tensor": (lambda: ff.layer_norm([1.0, 2.0], None, None), TypeError, "x"),
+    "attention: not a tensor": (lambda: ff.attention(Q, K, "v"), TypeError, "v"),
+    # device
+    "norm: residual device": (lambda: ff.add_layer_norm(X, META, None, None), ValueError, "residual"),
+    "norm: weight device": (lambda: ff.layer_norm(X, W.to("meta"), None), ValueError, "weight"),
+    "attention: k device": (lambda: ff.attention(Q, K.to("meta"), V), ValueError, "k"),
+    "attention: mask device": (lambda: ff.attention(Q, K, V, attn_mask=torch.zeros(8, 9, device="meta")), ValueError, "attn_mask"),
+    # ranges
+    "norm: negative eps": (lambda: ff.layer_norm(X, None, None, eps=-1e-5), ValueError, "eps"),
+    "norm: nan eps": (lambda: ff.rms_norm(X, W, float("nan")), ValueError, "eps"),
+    "attention: dropout 1": (lambda: ff.attention(Q, K, V, dropout_p=1.0), ValueError, "dropout_p"),
+    "attention: dropout negative": (lambda: ff.attention(Q, K, V, dropout_p=-0.5), ValueError, "dropout_p"),
+    "sdpa: dropout range": (lambda: ff.scaled_dot_product_attention(Q, Q, Q, dropout_p=2.0), ValueError, "dropout_p"),
+    "attention: infinite scale": (lambda: ff.attention(Q, K, V, scale=float("inf")), ValueError, "scale"),
+    # options
+    "attention: causal name": (lambda: ff.attention(Q, K, V, causal="lower"), ValueError, "causal"),
+    "norm: return_residual type": (lambda: ff.add_layer_norm(X, X, None, None, return_residual="yes"), TypeError, "return_residual"),
+    "backend name": (lambda: ff.use_backend("tpu").__enter__(), ValueError, "backend"),
+}
+
+
+@pytest.mark.parametrize("case", list(CATALOGUE))
+def test_bad_input_raises_a_clear_error(case):
+    call, exc, name = CATALOGUE[case]
+    with pytest.raises(exc) as info:
+        call()
+    message = str(info.value)
+    assert name in message, f"{case}: message does not name `{name}`: {message}"
+
+
+def test_forced_backend_that_cannot_run_raises_value_error_with_reasons():
+    with ff.use_backend("cuda"), pytest.raises(ValueError, match="cannot run attention"):
+        ff.attention(Q, K, V)
