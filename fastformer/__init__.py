@@ -8,8 +8,10 @@ __version__ = "0.1.0"
 from . import backends  # noqa: E402
 from ._info import info  # noqa: E402
 from .backends import available_backends, last_dispatch, use_backend  # noqa: E402
+from .modules.ffn import FeedForward, SwiGLU  # noqa: E402
 from .modules.norm import LayerNorm, RMSNorm  # noqa: E402
 from .ops.attention import attention  # noqa: E402
+from .ops.ffn import ffn, swiglu_ffn  # noqa: E402
 from .ops.norm import add_layer_norm, layer_norm, rms_norm  # noqa: E402
 from .ops.sdpa import SDPAError, patch_sdpa, scaled_dot_product_attention  # noqa: E402
 
@@ -17,4 +19,5 @@ __all__ = [
     "__version__", "backends", "info", "available_backends", "last_dispatch", "use_backend",
     "add_layer_norm", "layer_norm", "rms_norm", "LayerNorm", "RMSNorm",
     "attention", "scaled_dot_product_attention", "patch_sdpa", "SDPAError",
+    "ffn", "swiglu_ffn", "FeedForward", "SwiGLU",
 ]

@@ -156,6 +156,12 @@ _ATTN_CUDA_FEATURES = frozenset({"causal_top_left", "causal_bottom_right", "key_
                                  "gqa"})
 
 
+# Feed-forward: "ffn" (Linear -> act -> dropout -> Linear) and "swiglu" (the gated variant, no
+# dropout). Activations are arguments every backend takes; features are what varies per call.
+_FFN_FEATURES = frozenset({"bias", "dropout"})
+_FFN_STRIDES = frozenset({"last_dim_strided", "rows_strided"})  # rows_strided: no single row stride
+
+
 _REGISTRY = {
     "cuda": Backend(
         "cuda", lambda: frozenset({"cuda"}), _cuda_availability,
@@ -170,12 +176,16 @@ _REGISTRY = {
         ops={
             "add_norm": OpSupport(frozenset({F16, BF16, F32}), _NORM_FEATURES, max_hidden=16384),
             "attention": OpSupport(frozenset({F16, BF16, F32}), _ATTN_FEATURES, head_dims=(16, 256)),
+            "ffn": OpSupport(frozenset({F16, BF16, F32}), _FFN_FEATURES | {"last_dim_strided"}),
+            "swiglu": OpSupport(frozenset({F16, BF16, F32}), _FFN_FEATURES | {"last_dim_strided"}),
         }),
     "cpu": Backend(
         "cpu", lambda: frozenset({"cpu"}), _cpu_availability,
         ops={
             "add_norm": OpSupport(_ALL_FLOAT, _NORM_FEATURES | {"rows_strided"}),
             "attention": OpSupport(_ALL_FLOAT, _ATTN_FEATURES, head_dims=(1, 256)),
+            "ffn": OpSupport(_ALL_FLOAT, _FFN_FEATURES | _FFN_STRIDES),
+            "swiglu": OpSupport(_ALL_FLOAT, _FFN_FEATURES | _FFN_STRIDES),
         }),
     "reference": Backend(
         "reference", lambda: frozenset({"cpu", "cuda", "mps", "xpu", "meta"}), lambda: None,
@@ -183,6 +193,8 @@ _REGISTRY = {
             "add_norm": OpSupport(_ALL_FLOAT, _NORM_FEATURES | {"rows_strided", "last_dim_strided"}),
             "attention": OpSupport(_ALL_FLOAT, _ATTN_FEATURES | {"v_head_dim_differs",
                                                                 "last_dim_strided"}),
+            "ffn": OpSupport(_ALL_FLOAT, _FFN_FEATURES | _FFN_STRIDES),
+            "swiglu": OpSupport(_ALL_FLOAT, _FFN_FEATURES | _FFN_STRIDES),
         }),
 }
 
