@@ -145,10 +145,10 @@ DType to_dtype(const Tensor& t) {
   }
 }
 
-// Rows of a tensor viewed as (rows, last_dim): coalesce leading dims where possible.
-cpu::RowLayout row_layout(const Tensor& t) {
-  TORCH_CHECK(t.dim() >= 1 && (t.stride(-1) == 1 || t.size(-1) <= 1 || t.numel() == 0),
-              "fastformer._C: last dimension must be contiguous");
+// Rows of a tensor viewed as (rows, last_dim): coalesce leading dims where possible. Any
+// strides (row_layout() below requires a contiguous last dim).
+cpu::RowLayout leading_layout(const Tensor& t) {
+  TORCH_CHECK(t.dim() >= 1, "fastformer._C: expected at least one dimension");
   cpu::RowLayout layout;
   int64_t sizes[64], strides[64];
   int n = 0;
@@ -176,6 +176,12 @@ cpu::RowLayout row_layout(const Tensor& t) {
     layout.strides[i] = strides[i];
   }
   return layout;
+}
+
+cpu::RowLayout row_layout(const Tensor& t) {
+  TORCH_CHECK(t.dim() >= 1 && (t.stride(-1) == 1 || t.size(-1) <= 1 || t.numel() == 0),
+              "fastformer._C: last dimension must be contiguous");
+  return leading_layout(t);
 }
 
 const void* ptr_or_null(const optional<Tensor>& t) {
@@ -405,6 +411,104 @@ Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interl
     kernels().rotary(a);
   }
   return out;
+
+// ---- feed-forward ---------------------------------------------------------------------------
+// (..., cols) tensor as a matrix: rows by leading_layout, any column stride.
+cpu::MatView matrix_view(const Tensor& t) {
+  cpu::MatView v;
+  v.ptr = t.data_ptr();
+  v.rows = leading_layout(t);
+  v.col_stride = t.size(-1) <= 1 ? 1 : t.stride(-1);
+  return v;
+}
+
+cpu::FfnArgs ffn_args(const Tensor& x, const Tensor& w1, const Tensor& w2,
+                      const optional<Tensor>& w_up, int64_t activation, double dropout_p,
+                      int64_t seed, int64_t offset) {
+  TORCH_CHECK(x.device().is_cpu(), "fastformer._C ffn: expected CPU tensors");
+  TORCH_CHECK(activation >= 0 && activation <= 3, "fastformer._C ffn: activation code must be 0..3");
+  cpu::FfnArgs a;
+  a.dtype = to_dtype(x);
+  a.activation = static_cast<int32_t>(activation);
+  a.gated = w_up.has_value() && w_up->defined();
+  a.d_model = x.size(-1);
+  a.tokens = a.d_model == 0 ? 0 : x.numel() / a.d_model;
+  a.hidden = w1.size(0);
+  TORCH_CHECK(w1.dim() == 2 && w1.size(1) == a.d_model && w2.dim() == 2 &&
+              w2.size(0) == a.d_model && w2.size(1) == a.hidden,
+              "fastformer._C ffn: weight shapes do not match");
+  a.dropout_p = dropout_p;
+  a.seed = static_cast<uint64_t>(seed);
+  a.offset = static_cast<uint64_t>(offset);
+  a.x = matrix_view(x);
+  a.w1 = matrix_view(w1);
+  a.w2 = matrix_view(w2);
+  if (a.gated) a.w_up = matrix_view(*w_up);
+  return a;
+}
+
+// Returns {y, saved}: saved is the pre-activation (tokens, hidden) (gated: (tokens, 2 * hidden)
+// as [gate | up]) when save_preactivation, else empty.
+std::vector<Tensor> ffn_fwd(const Tensor& x, const Tensor& w1, const optional<Tensor>& b1,
+                            const Tensor& w2, const optional<Tensor>& b2,
+                            const optional<Tensor>& w_up, const optional<Tensor>& b_up,
+                            int64_t activation, double dropout_p, int64_t seed, int64_t offset,
+                            bool save_preactivation) {
+  cpu::FfnArgs a = ffn_args(x, w1, w2, w_up, activation, dropout_p, seed, offset);
+  a.b1 = ptr_or_null(b1);
+  a.b2 = ptr_or_null(b2);
+  a.b_up = a.gated ? ptr_or_null(b_up) : nullptr;
+  Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t width = a.gated && save_preactivation ? 2 * a.hidden : a.hidden;
+  Tensor hidden = at::empty({a.tokens, width}, x.options());
+  a.y = y.data_ptr();
+  a.hidden_buf = hidden.data_ptr();
+  a.store_preactivation = save_preactivation;
+  if (a.tokens > 0) {
+    py::gil_scoped_release no_gil;
+    kernels().ffn_fwd(a);
+  }
+  return {y, save_preactivation ? hidden : at::empty({0}, x.options())};
+}
+
+// Returns {dx, dw1, db1, dw2, db2, dw_up, db_up}; those not asked for are empty.
+std::vector<Tensor> ffn_bwd(const Tensor& dy, const Tensor& x, const Tensor& w1, const Tensor& w2,
+                            const optional<Tensor>& w_up, const Tensor& saved, int64_t activation,
+                            double dropout_p, int64_t seed, int64_t offset, bool need_dx,
+                            bool need_dw1, bool need_db1, bool need_dw2, bool need_db2,
+                            bool need_dw_up, bool need_db_up) {
+  cpu::FfnArgs a = ffn_args(x, w1, w2, w_up, activation, dropout_p, seed, offset);
+  TORCH_CHECK(dy.sizes() == x.sizes(), "fastformer._C.ffn_bwd: dy must have x's shape");
+  TORCH_CHECK(saved.is_contiguous() && saved.numel() == a.tokens * a.hidden * (a.gated ? 2 : 1),
+              "fastformer._C.ffn_bwd: saved must be the forward's contiguous pre-activation");
+  const auto opts = x.options();
+  auto maybe = [&](bool need, at::IntArrayRef shape) {
+    return need ? at::empty(shape, opts) : at::empty({0}, opts);
+  };
+  const int64_t D = a.d_model, F = a.hidden;
+  Tensor dx = need_dx ? at::empty(x.sizes(), opts.memory_format(at::MemoryFormat::Contiguous))
+                      : at::empty({0}, opts);
+  Tensor dw1 = maybe(need_dw1, {F, D}), db1 = maybe(need_db1, {F});
+  Tensor dw2 = maybe(need_dw2, {D, F}), db2 = maybe(need_db2, {D});
+  Tensor dw_up = maybe(a.gated && need_dw_up, {F, D}), db_up = maybe(a.gated && need_db_up, {F});
+  const bool need_hidden = need_dx || need_dw1 || need_db1 || (a.gated && (need_dw_up || need_db_up));
+  Tensor d_hidden = maybe(need_hidden, {a.tokens, a.gated ? 2 * F : F});
+  a.dy = matrix_view(dy);
+  a.saved = saved.data_ptr();
+  a.d_hidden = need_hidden ? d_hidden.data_ptr() : nullptr;
+  auto ptr = [](bool need, Tensor& t) { return need ? t.data_ptr() : nullptr; };
+  a.dx = ptr(need_dx, dx);
+  a.dw1 = ptr(need_dw1, dw1);
+  a.db1 = ptr(need_db1, db1);
+  a.dw2 = ptr(need_dw2, dw2);
+  a.db2 = ptr(need_db2, db2);
+  a.dw_up = ptr(a.gated && need_dw_up, dw_up);
+  a.db_up = ptr(a.gated && need_db_up, db_up);
+  {
+    py::gil_scoped_release no_gil;
+    kernels().ffn_bwd(a);
+  }
+  return {dx, dw1, db1, dw2, db2, dw_up, db_up};
 }
 
 }  // namespace
@@ -420,6 +524,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("attention_fwd", &attention_fwd);
   m.def("attention_bwd", &attention_bwd);
   m.def("rotary", &rotary);
+  m.def("ffn_fwd", &ffn_fwd);
+  m.def("ffn_bwd", &ffn_bwd);
 #ifdef FASTFORMER_WITH_CUDA
   m.def("ffn_bias_act_fwd", &cuda::ffn_bias_act_fwd, "y = act(x + bias), CUDA");
   m.def("ffn_bias_act_bwd", &cuda::ffn_bias_act_bwd, "{dx, dbias}, CUDA");

@@ -10,6 +10,7 @@ from ._info import info  # noqa: E402
 from .backends import available_backends, last_dispatch, use_backend  # noqa: E402
 from .convert import convert  # noqa: E402
 from .modules.attention import MultiheadAttention  # noqa: E402
+from .modules.ffn import FeedForward, SwiGLU  # noqa: E402
 from .modules.norm import LayerNorm, RMSNorm  # noqa: E402
 from .modules.positional import (LearnedPositionalEncoding, RotaryEmbedding,  # noqa: E402
                                  SinusoidalPositionalEncoding)
@@ -30,5 +31,5 @@ __all__ = [
     "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
     "TransformerEncoder", "TransformerDecoder", "Transformer",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryEmbedding",
-    "convert",
+    "convert", "FeedForward", "SwiGLU",
 ]

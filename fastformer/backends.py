@@ -158,6 +158,10 @@ _ATTN_CUDA_FEATURES = frozenset({"causal_top_left", "causal_bottom_right", "key_
 
 # Rotary embedding: every kernel takes both pair layouts and partial rotation (R < D).
 _ROTARY_FEATURES = frozenset({"interleaved"})
+# Feed-forward: "ffn" (Linear -> act -> dropout -> Linear) and "swiglu" (the gated variant, no
+# dropout). Activations are arguments every backend takes; features are what varies per call.
+_FFN_FEATURES = frozenset({"bias", "dropout"})
+_FFN_STRIDES = frozenset({"last_dim_strided", "rows_strided"})  # rows_strided: no single row stride
 
 
 _REGISTRY = {
@@ -168,6 +172,9 @@ _REGISTRY = {
             # fp32, other head dims, masks and dropout fall back to triton
             "attention": OpSupport(frozenset({F16, BF16}), _ATTN_CUDA_FEATURES,
                                    head_dim_set=frozenset({64, 128})),
+            # cuBLAS GEMMs + fused epilogue kernels; dropout falls back to triton
+            "ffn": OpSupport(frozenset({F16, BF16, F32}), frozenset({"bias"})),
+            "swiglu": OpSupport(frozenset({F16, BF16, F32}), frozenset({"bias"})),
         }),
     "triton": Backend(
         "triton", _triton_devices, _triton_availability,
@@ -175,6 +182,8 @@ _REGISTRY = {
             "add_norm": OpSupport(frozenset({F16, BF16, F32}), _NORM_FEATURES, max_hidden=16384),
             "attention": OpSupport(frozenset({F16, BF16, F32}), _ATTN_FEATURES, head_dims=(16, 256)),
             "rotary": OpSupport(frozenset({F16, BF16, F32}), _ROTARY_FEATURES),
+            "ffn": OpSupport(frozenset({F16, BF16, F32}), _FFN_FEATURES | {"last_dim_strided"}),
+            "swiglu": OpSupport(frozenset({F16, BF16, F32}), _FFN_FEATURES | {"last_dim_strided"}),
         }),
     "cpu": Backend(
         "cpu", lambda: frozenset({"cpu"}), _cpu_availability,
@@ -182,6 +191,8 @@ _REGISTRY = {
             "add_norm": OpSupport(_ALL_FLOAT, _NORM_FEATURES | {"rows_strided"}),
             "attention": OpSupport(_ALL_FLOAT, _ATTN_FEATURES, head_dims=(1, 256)),
             "rotary": OpSupport(_ALL_FLOAT, _ROTARY_FEATURES),
+            "ffn": OpSupport(_ALL_FLOAT, _FFN_FEATURES | _FFN_STRIDES),
+            "swiglu": OpSupport(_ALL_FLOAT, _FFN_FEATURES | _FFN_STRIDES),
         }),
     "reference": Backend(
         "reference", lambda: frozenset({"cpu", "cuda", "mps", "xpu", "meta"}), lambda: None,
@@ -190,6 +201,8 @@ _REGISTRY = {
             "attention": OpSupport(_ALL_FLOAT, _ATTN_FEATURES | {"v_head_dim_differs",
                                                                 "last_dim_strided"}),
             "rotary": OpSupport(_ALL_FLOAT, _ROTARY_FEATURES | {"last_dim_strided"}),
+            "ffn": OpSupport(_ALL_FLOAT, _FFN_FEATURES | _FFN_STRIDES),
+            "swiglu": OpSupport(_ALL_FLOAT, _FFN_FEATURES | _FFN_STRIDES),
         }),
 }
 

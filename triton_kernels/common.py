@@ -17,3 +17,13 @@ def cast_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
     return x.to(DTYPE)
+
+
+@triton.jit
+def dot_operand(x, INTERPRET: tl.constexpr):
+    """A tl.dot operand. Triton 3.9's interpreter computes tl.dot on bfloat16 wrongly
+    (triton-lang/triton#11584): under the interpreter only, bf16 tiles are upcast to fp32
+    (exact; the products then sum in fp32 as on tensor cores). GPUs keep bf16 tensor-core dots."""
+    if INTERPRET and x.dtype == tl.bfloat16:
+        return x.to(tl.float32)
+    return x

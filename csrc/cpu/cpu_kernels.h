@@ -105,6 +105,48 @@ struct RotaryArgs {
   const void* sin = nullptr;         // (L, R/2) contiguous
   bool interleaved = false;          // pairs (2i, 2i+1) instead of (i, i + R/2)
   bool conj = false;                 // rotate by -theta (the backward)
+// ---- feed-forward block -------------------------------------------------------------------
+// A 2-D matrix view: element (r, c) at ptr + rows.offset(r) + c * col_stride (in elements).
+struct MatView {
+  const void* ptr = nullptr;
+  RowLayout rows;
+  int64_t col_stride = 1;
+};
+
+// y = act(x W1^T + b1) W2^T + b2 (dropout on the hidden activation), or gated:
+// y = (act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd, with w1/b1 = gate, w_up/b_up = up,
+// w2/b2 = down. Semantics: fastformer/reference/ffn.py; algorithm: csrc/cpu/ffn.cpp.
+struct FfnArgs {
+  DType dtype;                       // every tensor (x, weights, biases, outputs, gradients)
+  int32_t activation = 0;            // fastformer::Activation (common/activations.h)
+  bool gated = false;
+  int64_t tokens = 0, d_model = 0, hidden = 0;
+  double dropout_p = 0.0;            // ffn only: dropout on act(pre), Philox (common/philox.h)
+  uint64_t seed = 0, offset = 0;     //   element index token * hidden + unit
+  MatView x;                         // (tokens, d_model)
+  MatView w1, w_up;                  // (hidden, d_model); w_up gated only
+  MatView w2;                        // (d_model, hidden)
+  const void* b1 = nullptr;          // optional (hidden,), contiguous
+  const void* b_up = nullptr;        // optional (hidden,), gated only
+  const void* b2 = nullptr;          // optional (d_model,)
+  // Forward. hidden_buf, contiguous: with store_preactivation, the pre-activation x W1^T + b1
+  // (tokens, hidden) or gated [gate | up] (tokens, 2 * hidden) that the backward reads; else
+  // the post-activation h (tokens, hidden), a temporary.
+  void* y = nullptr;                 // (tokens, d_model) contiguous
+  void* hidden_buf = nullptr;
+  bool store_preactivation = false;
+  // Backward. saved: hidden_buf of a store_preactivation forward. d_hidden: scratch of the
+  // saved tensor's shape (d pre-activation, gated [d gate | d up]). Null outputs are skipped.
+  MatView dy;                        // (tokens, d_model)
+  const void* saved = nullptr;
+  void* d_hidden = nullptr;
+  void* dx = nullptr;                // (tokens, d_model) contiguous
+  void* dw1 = nullptr;               // (hidden, d_model) contiguous, as w1 (gated: d w_gate)
+  void* db1 = nullptr;
+  void* dw_up = nullptr;
+  void* db_up = nullptr;
+  void* dw2 = nullptr;               // (d_model, hidden) contiguous
+  void* db2 = nullptr;
 };
 
 // X-macro list of kernels: X(name, ArgsType). Add a kernel here and in one .cpp file.
@@ -112,7 +154,9 @@ struct RotaryArgs {
   X(add_norm_fwd, NormFwdArgs)     \
   X(add_norm_bwd, NormBwdArgs)     \
   X(attention_fwd, AttnArgs)       \
-  X(attention_bwd, AttnArgs)        \
+  X(attention_bwd, AttnArgs)       \
+  X(ffn_fwd, FfnArgs)              \
+  X(ffn_bwd, FfnArgs)              \
   X(rotary, RotaryArgs)
 
 #define FF_DECLARE_KERNEL(name, Args) void name(const Args& args);

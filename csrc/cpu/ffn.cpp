@@ -1,0 +1,617 @@
+// Fused feed-forward block on CPU, forward and backward (semantics: fastformer/reference/ffn.py).
+//
+//   ffn:    pre = x W1^T + b1   h = act(pre) * keep / (1 - p)   y = h W2^T + b2
+//   gated:  g = x Wg^T + bg, u = x Wu^T + bu   h = act(g) * u   y = h Wd^T + bd
+// x (N tokens, D), W1/Wg/Wu (F, D), W2/Wd (D, F); keep = Philox(seed, offset + n * F + f) >= p.
+//
+// Every GEMM is gemm_packed.h's blocked GEMM; the elementwise work lives in its packing and
+// epilogue callbacks, so no pass over an (N, F) tensor exists on its own:
+//   forward, training (the pre-activation is saved; h never exists):
+//     GEMM1 (N x F x D): epilogue pre = acc + b1 -> saved (gated: [g | u], one GEMM: the B
+//       panels interleave Wg and Wu so a micro-tile holds the gate and up columns of the same
+//       NR/2 units, and the epilogue reads both from registers)
+//     GEMM2 (N x D x F): A packed as act(pre) * keep (gated: act(g) * u) from saved;
+//       epilogue y = acc + b2
+//   forward, inference: GEMM1's epilogue computes h = act(acc + b1) * keep (gated:
+//     act(g) * u) and stores h only (1 tensor of N x F, not 2); GEMM2 packs h as is.
+//   backward (dy given; hd = the dropped-out h, recomputed wherever it is read):
+//     dW2 | db2 = dy^T [hd | 1]           B packed as act(pre) * keep from saved, plus a column
+//                                         of ones whose output column is db2 (no extra pass)
+//     dpre = (dy W2) * keep * act'(pre)   epilogue of the dy W2 GEMM: act' fused, reads pre
+//       gated: dg = dh * u * act'(g), du = dh * act(g)   -> d_hidden = [dg | du]
+//     dx = dpre W1                        gated: [dg | du] [Wg ; Wu], one GEMM with K = 2F
+//     dW1 | db1 = dpre^T [x | 1]          gated: [dg | du]^T [x | 1] -> dWg, dWu, dbg, dbu
+// Memory traffic of the (N, F) tensors: forward writes pre once (gated: g, u) and GEMM2 reads
+// it once (per 2048 output columns); backward reads it twice (dW2 packing, dpre epilogue),
+// writes dpre once and reads it twice (dx, dW1 packing). Saved for the backward: x, the
+// weights and the pre-activation (gated: gate and up), never a post-activation; eager PyTorch
+// keeps act(pre) too (GELU: 2 tensors of N x F; SwiGLU: 4).
+//
+// bf16/fp16 are converted to fp32 while packing and rounded once when stored; fp64 runs the
+// same kernels in fp64 (gradcheck). Activation math: common/activations.h, vectorized through
+// an ActMath specialization for at::vec::Vectorized.
+//
+// Why not at::mm (the suggestion): on this machine (2-core Zen 3, AVX2, no AVX-512 or
+// AMX) torch's fp32 GEMM is MKL's, which runs its non-AVX-512 path at 60-75 GFLOP/s for both
+// cores, and its bf16 GEMM has no fast path at all (~1 GFLOP/s: bf16 inputs would have to be
+// converted to fp32 copies first). The packed micro-kernel route converts while packing and
+// measured faster in fp32 too; numbers in the table below.
+//
+// Measured (2 threads, fp32, machine shared with other jobs: interleaved medians):
+//   see README.md's FFN table and the ffn suite of fastformer-bench.
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+#include "common/activations.h"
+#include "common/philox.h"
+#include "cpu/cpu_kernels.h"
+#include "cpu/gemm_packed.h"
+#include "cpu/vec_utils.h"
+
+// Vector activation math for activations.h (the scalar specializations live there).
+namespace fastformer {
+template <typename A>
+struct ActMath<at::vec::Vectorized<A>> {
+  using V = at::vec::Vectorized<A>;
+  static V exp(const V& x) { return x.exp(); }
+  static V erf(const V& x) { return x.erf(); }
+  static V tanh(const V& x) { return x.tanh(); }
+  static V relu(const V& x) { return V::blendv(x, V(A(0)), x < V(A(0))); }  // NaN stays NaN
+  static V step(const V& x) { return (x > V(A(0))) & V(A(1)); }
+};
+}  // namespace fastformer
+
+namespace fastformer::cpu::CPU_CAPABILITY {
+namespace {
+
+template <typename A>
+using Blk = PackedBlocking<A>;
+
+// ---- sources: rows of the matrices the GEMM operands are packed from ------------------------
+// Every source writes round_up(n, kV) values for load(r, c0, n, dst): the n asked for, then
+// zeros to the vector boundary (act(0) = 0 for every activation, so tails stay zero).
+
+template <typename T, typename A = acc_t<T>>
+inline void load_segment(const T* src, int64_t col_stride, int64_t n, A* dst) {
+  using V = Vectorized<A>;
+  constexpr int64_t kV = V::size();
+  int64_t c = 0;
+  if (col_stride == 1) {
+    for (; c + kV <= n; c += kV) load_acc(src + c).store(dst + c);
+    if (c < n) load_acc(src + c, n - c).store(dst + c);
+    return;
+  }
+  for (; c < n; ++c) dst[c] = static_cast<A>(src[c * col_stride]);
+  for (; c % kV != 0; ++c) dst[c] = A(0);
+}
+
+// A matrix given by a MatView, optionally stacked on a second one along rows (rows >= split
+// come from `below`): [Wg ; Wu] is one source.
+template <typename T>
+struct PlainSource {
+  using A = acc_t<T>;
+  MatView top, below;
+  int64_t split = std::numeric_limits<int64_t>::max();
+
+  const T* row(int64_t r) const {
+    if (r < split) return static_cast<const T*>(top.ptr) + top.rows.offset(r);
+    return static_cast<const T*>(below.ptr) + below.rows.offset(r - split);
+  }
+  int64_t col_stride(int64_t r) const { return r < split ? top.col_stride : below.col_stride; }
+  void load(int64_t r, int64_t c0, int64_t n, A* dst) const {
+    load_segment(row(r) + c0 * col_stride(r), col_stride(r), n, dst);
+  }
+};
+
+template <typename T>
+MatView contiguous_view(const void* ptr, int64_t ld) {
+  MatView v;
+  v.ptr = ptr;
+  v.rows.strides[0] = ld;
+  return v;
+}
+
+// Dropout of the hidden activation: keep[n][f] = Philox(seed, offset + n * F + f) >= threshold.
+struct Dropout {
+  double p = 0.0;
+  uint64_t seed = 0, offset = 0;
+  uint32_t threshold = 0;
+  int64_t hidden = 0;
+
+  explicit Dropout(const FfnArgs& a)
+      : p(a.dropout_p), seed(a.seed), offset(a.offset),
+        threshold(a.dropout_p > 0 ? dropout_threshold(a.dropout_p) : 0), hidden(a.hidden) {}
+  bool active() const { return p > 0; }
+  // v[c] *= keep(r, c0 + c) / (1 - p) for c < n.
+  template <typename A>
+  void apply(int64_t r, int64_t c0, int64_t n, A* v) const {
+    const A scale = static_cast<A>(1.0 / (1.0 - p));
+    const uint64_t base = offset + static_cast<uint64_t>(r * hidden + c0);
+    for (int64_t c = 0; c < n; ++c) v[c] = philox_word(base + c, seed) >= threshold ? v[c] * scale : A(0);
+  }
+};
+
+template <Activation Act, typename A>
+inline void activate_in_place(A* v, int64_t n) {
+  using V = Vectorized<A>;
+  for (int64_t c = 0; c < n; c += V::size()) activation<Act>(V::loadu(v + c)).store(v + c);
+}
+
+// hd = act(pre) * keep / (1 - p), from the saved pre-activation (N, F) contiguous.
+template <typename T, Activation Act>
+struct ActSource {
+  using A = acc_t<T>;
+  const T* pre;
+  int64_t hidden;
+  Dropout drop;
+  void load(int64_t r, int64_t c0, int64_t n, A* dst) const {
+    load_segment(pre + r * hidden + c0, 1, n, dst);
+    activate_in_place<Act>(dst, n);
+    if (drop.active()) drop.apply(r, c0, n, dst);
+  }
+};
+
+// h = act(g) * u, from the saved [g | u] (N, 2F) contiguous.
+template <typename T, Activation Act>
+struct GatedSource {
+  using A = acc_t<T>;
+  const T* gate_up;
+  int64_t hidden;
+  void load(int64_t r, int64_t c0, int64_t n, A* dst) const {
+    using V = Vectorized<A>;
+    constexpr int64_t kV = V::size();
+    const T* g = gate_up + r * 2 * hidden + c0;
+    const T* u = g + hidden;
+    for (int64_t c = 0; c < n; c += kV) {
+      const int64_t k = std::min(kV, n - c);
+      const V gv = k == kV ? load_acc(g + c) : load_acc(g + c, k);
+      const V uv = k == kV ? load_acc(u + c) : load_acc(u + c, k);
+      (activation<Act>(gv) * uv).store(dst + c);
+    }
+  }
+};
+
+// ---- packers (layouts: gemm_packed.h) ----------------------------------------------------------
+// Row buffer of one thread: the longest segment a packer loads, plus vector slack.
+template <typename A>
+inline A* segment_buffer() {
+  return thread_scratch<A, 63>(std::max(Blk<A>::kNC, Blk<A>::kKC) + 2 * Blk<A>::kNR);
+}
+
+// op(A)[i][k] = S(i, k).
+template <typename A, class Src>
+void pack_a_rows(const Src& src, A* dst, int64_t i0, int64_t m, int64_t k0, int64_t kc) {
+  constexpr int64_t MR = Blk<A>::kMR;
+  A* const buf = segment_buffer<A>();
+  for (int64_t p = 0; p * MR < m; ++p) {
+    A* panel = dst + p * kc * MR;
+    for (int64_t r = 0; r < MR; ++r) {
+      if (p * MR + r < m) {
+        src.load(i0 + p * MR + r, k0, kc, buf);
+        for (int64_t k = 0; k < kc; ++k) panel[k * MR + r] = buf[k];
+      } else {
+        for (int64_t k = 0; k < kc; ++k) panel[k * MR + r] = A(0);
+      }
+    }
+  }
+}
+
+// op(A)[i][k] = S(k, i): a transposed source, read along its rows.
+template <typename A, class Src>
+void pack_a_cols(const Src& src, A* dst, int64_t i0, int64_t m, int64_t k0, int64_t kc) {
+  constexpr int64_t MR = Blk<A>::kMR;
+  A* const buf = segment_buffer<A>();
+  const int64_t width = round_up_to(m, MR);
+  for (int64_t k = 0; k < kc; ++k) {
+    src.load(k0 + k, i0, m, buf);
+    std::fill(buf + m, buf + width, A(0));
+    for (int64_t p = 0; p * MR < width; ++p)
+      std::copy(buf + p * MR, buf + (p + 1) * MR, dst + p * kc * MR + k * MR);
+  }
+}
+
+// op(B)[k][j] = S(k, j) for j < n_src; column n_src (the bias-gradient column) is all ones.
+template <typename A, class Src>
+void pack_b_rows(const Src& src, int64_t n_src, A* dst, int64_t k0, int64_t kc, int64_t j0,
+                 int64_t n) {
+  constexpr int64_t NR = Blk<A>::kNR;
+  A* const buf = segment_buffer<A>();
+  const int64_t width = round_up_to(n, NR);
+  const int64_t n_load = std::clamp<int64_t>(n_src - j0, 0, n);
+  const bool ones = n_src >= j0 && n_src < j0 + n;
+  for (int64_t k = 0; k < kc; ++k) {
+    if (n_load > 0) src.load(k0 + k, j0, n_load, buf);
+    std::fill(buf + n_load, buf + width, A(0));
+    if (ones) buf[n_src - j0] = A(1);
+    for (int64_t q = 0; q * NR < width; ++q)
+      std::copy(buf + q * NR, buf + (q + 1) * NR, dst + q * kc * NR + k * NR);
+  }
+}
+
+// op(B)[k][j] = S(source_row(j), k): a transposed source (weights as W^T); source_row(j) < 0
+// is a zero column.
+template <typename A, class Src, class RowOf>
+void pack_b_cols(const Src& src, const RowOf& source_row, A* dst, int64_t k0, int64_t kc,
+                 int64_t j0, int64_t n) {
+  constexpr int64_t NR = Blk<A>::kNR;
+  A* const buf = segment_buffer<A>();
+  const int64_t width = round_up_to(n, NR);
+  for (int64_t jj = 0; jj < width; ++jj) {
+    A* out = dst + (jj / NR) * kc * NR + jj % NR;
+    const int64_t r = jj < n ? source_row(j0 + jj) : -1;
+    if (r >= 0) {
+      src.load(r, k0, kc, buf);
+      for (int64_t k = 0; k < kc; ++k) out[k * NR] = buf[k];
+    } else {
+      for (int64_t k = 0; k < kc; ++k) out[k * NR] = A(0);
+    }
+  }
+}
+
+// Gated GEMM1 columns: panel q holds units [q*NR/2, (q+1)*NR/2), gate in lanes [0, NR/2) and up
+// in [NR/2, NR); source rows [0, F) of [Wg ; Wu] are gate units, [F, 2F) up units.
+template <typename A>
+struct InterleavedGateUp {
+  int64_t hidden;
+  int64_t operator()(int64_t j) const {
+    constexpr int64_t NR = Blk<A>::kNR, kHalf = NR / 2;
+    const int64_t unit = (j / NR) * kHalf + j % kHalf;
+    if (unit >= hidden) return -1;
+    return (j % NR) >= kHalf ? hidden + unit : unit;
+  }
+};
+
+struct Identity {
+  int64_t operator()(int64_t j) const { return j; }
+};
+
+// ---- epilogues -------------------------------------------------------------------------------
+// Store v's first `cols` lanes (<= kV) at p.
+template <typename T, typename V>
+inline void store_lanes(T* p, const V& v, int64_t cols) {
+  if (cols >= V::size()) store_acc(p, v);
+  else if (cols > 0) store_acc(p, v, cols);
+}
+
+// Parameter vector (bias) in the accumulation type, zero padded to a whole number of NR panels.
+template <typename T>
+acc_t<T>* padded_param(const void* src, int64_t n, int slot_index) {
+  using A = acc_t<T>;
+  const int64_t padded = round_up_to(n, Blk<A>::kNR) + Blk<A>::kNR;
+  A* buf = slot_index == 0 ? thread_scratch<A, 64>(padded)
+                           : slot_index == 1 ? thread_scratch<A, 65>(padded) : thread_scratch<A, 66>(padded);
+  std::fill(buf, buf + padded, A(0));
+  if (src != nullptr) {
+    const T* s = static_cast<const T*>(src);
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<A>(s[i]);
+  }
+  return buf;
+}
+
+// out[i][j] = acc + bias[j], then (kActivate) act(.) * keep: GEMM1 (ffn), GEMM2, dx.
+template <typename T, Activation Act, bool kActivate>
+struct BiasEpilogue {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  T* out;
+  int64_t ld;
+  const A* bias;  // padded, or null
+  Dropout drop;
+  void operator()(int64_t i0, int64_t j0, int64_t m, int64_t n, const A* tile) const {
+    constexpr int64_t NR = Blk<A>::kNR, kV = V::size();
+    alignas(64) A row[NR];
+    for (int64_t r = 0; r < m; ++r) {
+      for (int64_t c = 0; c < NR; c += kV) {
+        V v = V::loadu(tile + r * NR + c);
+        if (bias != nullptr) v = v + V::loadu(bias + j0 + c);
+        if constexpr (kActivate) v = activation<Act>(v);
+        v.store(row + c);
+      }
+      if (kActivate && drop.active()) drop.apply(i0 + r, j0, n, row);
+      T* dst = out + (i0 + r) * ld + j0;
+      for (int64_t c = 0; c < n; c += kV) store_lanes(dst + c, V::loadu(row + c), n - c);
+    }
+  }
+};
+
+// Gated GEMM1 (interleaved columns): training stores g = acc_g + bg and u = acc_u + bu into
+// [g | u] (ld 2F); inference stores h = act(g) * u (ld F).
+template <typename T, Activation Act>
+struct GatedEpilogue {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  static_assert(Blk<A>::kNR == 2 * V::size(), "one vector of gate and one of up per tile row");
+  T* out;
+  int64_t hidden;
+  const A* b_gate;  // padded
+  const A* b_up;
+  bool store_preactivation;
+  void operator()(int64_t i0, int64_t j0, int64_t m, int64_t, const A* tile) const {
+    constexpr int64_t kV = V::size();
+    const int64_t unit0 = j0 / 2, units = std::min<int64_t>(kV, hidden - unit0);
+    if (units <= 0) return;
+    const V bg = V::loadu(b_gate + unit0), bu = V::loadu(b_up + unit0);
+    for (int64_t r = 0; r < m; ++r) {
+      const V g = V::loadu(tile + r * 2 * kV) + bg;
+      const V u = V::loadu(tile + r * 2 * kV + kV) + bu;
+      if (store_preactivation) {
+        T* dst = out + (i0 + r) * 2 * hidden + unit0;
+        store_lanes(dst, g, units);
+        store_lanes(dst + hidden, u, units);
+      } else {
+        store_lanes(out + (i0 + r) * hidden + unit0, activation<Act>(g) * u, units);
+      }
+    }
+  }
+};
+
+// dpre = acc * keep / (1 - p) * act'(pre), pre read from the saved (N, F).
+template <typename T, Activation Act>
+struct DpreEpilogue {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  const T* pre;
+  T* dpre;
+  int64_t hidden;
+  Dropout drop;
+  void operator()(int64_t i0, int64_t j0, int64_t m, int64_t n, const A* tile) const {
+    constexpr int64_t NR = Blk<A>::kNR, kV = V::size();
+    alignas(64) A row[NR];
+    for (int64_t r = 0; r < m; ++r) {
+      std::copy(tile + r * NR, tile + (r + 1) * NR, row);
+      if (drop.active()) drop.apply(i0 + r, j0, n, row);
+      const T* pre_row = pre + (i0 + r) * hidden + j0;
+      T* dst = dpre + (i0 + r) * hidden + j0;
+      for (int64_t c = 0; c < n; c += kV) {
+        const int64_t k = std::min(kV, n - c);
+        const V x = k == kV ? load_acc(pre_row + c) : load_acc(pre_row + c, k);
+        store_lanes(dst + c, V::loadu(row + c) * activation_value_grad<Act>(x).grad, k);
+      }
+    }
+  }
+};
+
+// dg = dh * u * act'(g), du = dh * act(g) into [dg | du], g and u read from the saved [g | u].
+template <typename T, Activation Act>
+struct DgatedEpilogue {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  const T* gate_up;
+  T* d_gate_up;
+  int64_t hidden;
+  void operator()(int64_t i0, int64_t j0, int64_t m, int64_t n, const A* tile) const {
+    constexpr int64_t NR = Blk<A>::kNR, kV = V::size();
+    for (int64_t r = 0; r < m; ++r) {
+      const T* g_row = gate_up + (i0 + r) * 2 * hidden + j0;
+      T* dst = d_gate_up + (i0 + r) * 2 * hidden + j0;
+      for (int64_t c = 0; c < n; c += kV) {
+        const int64_t k = std::min(kV, n - c);
+        const V g = k == kV ? load_acc(g_row + c) : load_acc(g_row + c, k);
+        const V u = k == kV ? load_acc(g_row + hidden + c) : load_acc(g_row + hidden + c, k);
+        const V dh = V::loadu(tile + r * NR + c);
+        const ValueGrad<V> a = activation_value_grad<Act>(g);
+        store_lanes(dst + c, dh * u * a.grad, k);
+        store_lanes(dst + hidden + c, dh * a.value, k);
+      }
+    }
+  }
+};
+
+// Weight and bias gradients: C is (rows, n_src [+ 1]); rows [0, split) go to (dw_top, db_top),
+// rows [split, ...) to (dw_below, db_below); column n_src is the bias. Null pointers skip.
+template <typename T>
+struct ParamGradEpilogue {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  T *dw_top, *db_top, *dw_below, *db_below;
+  int64_t split, n_src;
+  void operator()(int64_t i0, int64_t j0, int64_t m, int64_t n, const A* tile) const {
+    constexpr int64_t NR = Blk<A>::kNR, kV = V::size();
+    const int64_t n_w = std::clamp<int64_t>(n_src - j0, 0, n);
+    for (int64_t r = 0; r < m; ++r) {
+      const int64_t i = i0 + r;
+      const bool top = i < split;
+      T* dw = top ? dw_top : dw_below;
+      T* db = top ? db_top : db_below;
+      const int64_t row = top ? i : i - split;
+      if (dw != nullptr) {
+        for (int64_t c = 0; c < n_w; c += kV)
+          store_lanes(dw + row * n_src + j0 + c, V::loadu(tile + r * NR + c), n_w - c);
+      }
+      if (db != nullptr && n_w < n) db[row] = static_cast<T>(tile[r * NR + n_w]);
+    }
+  }
+};
+
+// db[c] = sum over rows of S(r, c), for a bias whose weight needs no gradient.
+template <typename T, class Src>
+void column_sums(const Src& src, int64_t rows, int64_t cols, T* db) {
+  using A = acc_t<T>;
+  constexpr int64_t kChunk = 1024;  // columns per task: fits segment_buffer
+  at::parallel_for(0, (cols + kChunk - 1) / kChunk, 1, [&](int64_t t0, int64_t t1) {
+    A* const buf = segment_buffer<A>();
+    double acc[kChunk];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t c0 = t * kChunk, n = std::min(kChunk, cols - c0);
+      std::fill(acc, acc + n, 0.0);
+      for (int64_t r = 0; r < rows; ++r) {
+        src.load(r, c0, n, buf);
+        for (int64_t c = 0; c < n; ++c) acc[c] += buf[c];
+      }
+      for (int64_t c = 0; c < n; ++c) db[c0 + c] = static_cast<T>(acc[c]);
+    }
+  });
+}
+
+// Packing costs for the thread split (gemm_packed), in flops per element.
+constexpr double kPlainCost = 8.0, kActCost = 40.0;
+
+// ---- forward ---------------------------------------------------------------------------------
+template <typename T, Activation Act>
+void ffn_fwd_typed(const FfnArgs& a) {
+  using A = acc_t<T>;
+  const int64_t N = a.tokens, D = a.d_model, F = a.hidden;
+  const PlainSource<T> x_src{a.x, {}};
+  T* const hidden = static_cast<T*>(a.hidden_buf);
+  const A* b1 = a.b1 ? padded_param<T>(a.b1, F, 0) : nullptr;
+  const A* b2 = a.b2 ? padded_param<T>(a.b2, D, 1) : nullptr;
+  auto pack_x = [&](A* dst, int64_t i0, int64_t m, int64_t k0, int64_t kc) {
+    pack_a_rows(x_src, dst, i0, m, k0, kc);
+  };
+
+  // GEMM1: pre (or h) = x W1^T + b1
+  if (a.gated) {
+    const PlainSource<T> w_src{a.w1, a.w_up, F};
+    const A* b_up = padded_param<T>(a.b_up, F, 2);
+    const A* b_gate = b1 ? b1 : padded_param<T>(nullptr, F, 0);
+    const InterleavedGateUp<A> cols{F};
+    const GatedEpilogue<T, Act> epi{hidden, F, b_gate, b_up, a.store_preactivation};
+    gemm_packed<A>(N, 2 * round_up_to(F, Blk<A>::kNR / 2), D, kPlainCost, kPlainCost, pack_x,
+                   [&](A* dst, int64_t k0, int64_t kc, int64_t j0, int64_t n) {
+                     pack_b_cols(w_src, cols, dst, k0, kc, j0, n);
+                   }, epi);
+  } else {
+    const PlainSource<T> w_src{a.w1, {}};
+    auto pack_w = [&](A* dst, int64_t k0, int64_t kc, int64_t j0, int64_t n) {
+      pack_b_cols(w_src, Identity{}, dst, k0, kc, j0, n);
+    };
+    if (a.store_preactivation) {
+      gemm_packed<A>(N, F, D, kPlainCost, kPlainCost, pack_x, pack_w,
+                     BiasEpilogue<T, Act, false>{hidden, F, b1, Dropout(a)});
+    } else {
+      gemm_packed<A>(N, F, D, kPlainCost, kPlainCost, pack_x, pack_w,
+                     BiasEpilogue<T, Act, true>{hidden, F, b1, Dropout(a)});
+    }
+  }
+
+  // GEMM2: y = h W2^T + b2, h packed from what GEMM1 stored
+  const PlainSource<T> w2_src{a.w2, {}};
+  auto pack_w2t = [&](A* dst, int64_t k0, int64_t kc, int64_t j0, int64_t n) {
+    pack_b_cols(w2_src, Identity{}, dst, k0, kc, j0, n);
+  };
+  const BiasEpilogue<T, Activation::relu, false> out_epi{static_cast<T*>(a.y), D, b2, Dropout(a)};
+  auto run = [&](const auto& h_src, double cost) {
+    gemm_packed<A>(N, D, F, cost, kPlainCost,
+                   [&](A* dst, int64_t i0, int64_t m, int64_t k0, int64_t kc) {
+                     pack_a_rows(h_src, dst, i0, m, k0, kc);
+                   }, pack_w2t, out_epi);
+  };
+  if (!a.store_preactivation) run(PlainSource<T>{contiguous_view<T>(hidden, F), {}}, kPlainCost);
+  else if (a.gated) run(GatedSource<T, Act>{hidden, F}, kActCost);
+  else run(ActSource<T, Act>{hidden, F, Dropout(a)}, kActCost);
+}
+
+// ---- backward --------------------------------------------------------------------------------
+template <typename T, Activation Act>
+void ffn_bwd_typed(const FfnArgs& a) {
+  using A = acc_t<T>;
+  const int64_t N = a.tokens, D = a.d_model, F = a.hidden;
+  const int64_t H = a.gated ? 2 * F : F;  // columns of saved / d_hidden
+  const T* saved = static_cast<const T*>(a.saved);
+  T* const d_hidden = static_cast<T*>(a.d_hidden);
+  const PlainSource<T> dy_src{a.dy, {}};
+  const PlainSource<T> x_src{a.x, {}};
+
+  // dW2 | db2 = dy^T [hd | 1]
+  auto dw2 = [&](const auto& hd_src) {
+    const int64_t cols = a.db2 ? F + 1 : F;
+    gemm_packed<A>(D, cols, N, kPlainCost, kActCost,
+                   [&](A* dst, int64_t i0, int64_t m, int64_t k0, int64_t kc) {
+                     pack_a_cols(dy_src, dst, i0, m, k0, kc);
+                   },
+                   [&](A* dst, int64_t k0, int64_t kc, int64_t j0, int64_t n) {
+                     pack_b_rows(hd_src, F, dst, k0, kc, j0, n);
+                   },
+                   ParamGradEpilogue<T>{static_cast<T*>(a.dw2), static_cast<T*>(a.db2), nullptr,
+                                        nullptr, D, F});
+  };
+  if (a.dw2 != nullptr) {
+    if (a.gated) dw2(GatedSource<T, Act>{saved, F});
+    else dw2(ActSource<T, Act>{saved, F, Dropout(a)});
+  } else if (a.db2 != nullptr) {
+    column_sums(dy_src, N, D, static_cast<T*>(a.db2));
+  }
+
+  const bool need_dw1 = a.dw1 != nullptr || a.dw_up != nullptr;
+  const bool need_db1 = a.db1 != nullptr || a.db_up != nullptr;
+  if (a.dx == nullptr && !need_dw1 && !need_db1) return;
+
+  // d_hidden = (dy W2) with act' (and the gate product) fused into the epilogue
+  const PlainSource<T> w2_src{a.w2, {}};
+  auto pack_dy = [&](A* dst, int64_t i0, int64_t m, int64_t k0, int64_t kc) {
+    pack_a_rows(dy_src, dst, i0, m, k0, kc);
+  };
+  auto pack_w2 = [&](A* dst, int64_t k0, int64_t kc, int64_t j0, int64_t n) {
+    pack_b_rows(w2_src, F, dst, k0, kc, j0, n);
+  };
+  if (a.gated) {
+    gemm_packed<A>(N, F, D, kPlainCost, kPlainCost, pack_dy, pack_w2,
+                   DgatedEpilogue<T, Act>{saved, d_hidden, F});
+  } else {
+    gemm_packed<A>(N, F, D, kPlainCost, kPlainCost, pack_dy, pack_w2,
+                   DpreEpilogue<T, Act>{saved, d_hidden, F, Dropout(a)});
+  }
+  const PlainSource<T> dh_src{contiguous_view<T>(d_hidden, H), {}};
+
+  // dx = d_hidden [W1 ; W_up]
+  if (a.dx != nullptr) {
+    const PlainSource<T> w_src{a.w1, a.w_up, a.gated ? F : std::numeric_limits<int64_t>::max()};
+    gemm_packed<A>(N, D, H, kPlainCost, kPlainCost,
+                   [&](A* dst, int64_t i0, int64_t m, int64_t k0, int64_t kc) {
+                     pack_a_rows(dh_src, dst, i0, m, k0, kc);
+                   },
+                   [&](A* dst, int64_t k0, int64_t kc, int64_t j0, int64_t n) {
+                     pack_b_rows(w_src, D, dst, k0, kc, j0, n);
+                   },
+                   BiasEpilogue<T, Activation::relu, false>{static_cast<T*>(a.dx), D, nullptr, Dropout(a)});
+  }
+
+  // dW1 | db1 = d_hidden^T [x | 1]   (gated rows: [gate units ; up units])
+  if (need_dw1) {
+    gemm_packed<A>(H, need_db1 ? D + 1 : D, N, kPlainCost, kPlainCost,
+                   [&](A* dst, int64_t i0, int64_t m, int64_t k0, int64_t kc) {
+                     pack_a_cols(dh_src, dst, i0, m, k0, kc);
+                   },
+                   [&](A* dst, int64_t k0, int64_t kc, int64_t j0, int64_t n) {
+                     pack_b_rows(x_src, D, dst, k0, kc, j0, n);
+                   },
+                   ParamGradEpilogue<T>{static_cast<T*>(a.dw1), static_cast<T*>(a.db1),
+                                        static_cast<T*>(a.dw_up), static_cast<T*>(a.db_up), F, D});
+  } else if (need_db1) {
+    if (a.db1 != nullptr) column_sums(dh_src, N, F, static_cast<T*>(a.db1));
+    if (a.db_up != nullptr) {
+      const PlainSource<T> up_src{contiguous_view<T>(d_hidden + F, H), {}};
+      column_sums(up_src, N, F, static_cast<T*>(a.db_up));
+    }
+  }
+}
+
+template <template <typename, Activation> class Kernel>
+void dispatch(const FfnArgs& a) {
+  dispatch_dtype(a.dtype, [&](auto type_tag) {
+    using T = decltype(type_tag);
+    dispatch_activation(static_cast<Activation>(a.activation), [&](auto act_tag) {
+      Kernel<T, decltype(act_tag)::value>::run(a);
+    });
+  });
+}
+
+template <typename T, Activation Act>
+struct FwdKernel {
+  static void run(const FfnArgs& a) { ffn_fwd_typed<T, Act>(a); }
+};
+template <typename T, Activation Act>
+struct BwdKernel {
+  static void run(const FfnArgs& a) { ffn_bwd_typed<T, Act>(a); }
+};
+
+}  // namespace
+
+void ffn_fwd(const FfnArgs& args) { dispatch<FwdKernel>(args); }
+
+void ffn_bwd(const FfnArgs& args) { dispatch<BwdKernel>(args); }
+
+}  // namespace fastformer::cpu::CPU_CAPABILITY

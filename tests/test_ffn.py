@@ -1,0 +1,404 @@
+"""Feed-forward block (ff.ffn, ff.swiglu_ffn, FeedForward, SwiGLU) on every backend vs eager
+PyTorch (DESIGN.md §5): forward and the gradients of x and every weight and bias."""
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import backend_params
+from oracle import check, row_sum_tol
+
+import fastformer as ff
+from fastformer.reference.rng import draw_rng_state, keep_mask
+
+ACTS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+        "silu": F.silu}
+LOWP = (torch.float16, torch.bfloat16)
+# Every tokens / d_model / dim_feedforward value of the issue appears: tokens {1, 17, 256},
+# d_model {64, 384, 1000}, dim_feedforward {128, 1536, 2730}.
+SHAPES = [(1, 64, 128), (17, 384, 1536), (256, 1000, 2730), (17, 1000, 128), (256, 64, 1536),
+          (1, 384, 2730), (256, 384, 128)]
+# Low precision: eager bf16/fp16 matmuls run at ~1 GFLOP/s here; the largest shape once only.
+LOWP_SHAPES = [(1, 64, 128), (17, 384, 1536), (17, 1000, 128), (256, 64, 1536), (1, 384, 2730)]
+TRITON_SHAPES = [(1, 64, 128), (17, 64, 128), (33, 96, 200)]  # the interpreter: small shapes
+
+
+def _params(tokens, d, hidden, dtype, gated, bias, seed=0, lead=None):
+    """(x, w1, b1, w2, b2, w_up, b_up, dy): weights scaled so that every GEMM output is O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    shape = (tokens, d) if lead is None else (*lead, d)
+    x, dy = mk(*shape), mk(*shape)
+    w1, w2 = mk(hidden, d) / d ** 0.5, mk(d, hidden) / hidden ** 0.5
+    w_up = mk(hidden, d) / d ** 0.5 if gated else None
+    b1, b2 = (mk(hidden) * 0.5, mk(d) * 0.5) if bias else (None, None)
+    b_up = mk(hidden) * 0.5 if (gated and bias) else None
+    return [t.to(dtype) if t is not None else None for t in (x, w1, b1, w2, b2, w_up, b_up, dy)]
+
+
+def _eager(x, w1, b1, w2, b2, w_up, b_up, act, keep=None, p=0.0):
+    pre = F.linear(x, w1, b1)
+    if w_up is not None:
+        return F.linear(ACTS[act](pre) * F.linear(x, w_up, b_up), w2, b2)
+    h = ACTS[act](pre)
+    if keep is not None:
+        h = h * keep.to(h.dtype) / (1 - p)
+    return F.linear(h, w2, b2)
+
+
+def _ours(x, w1, b1, w2, b2, w_up, b_up, act, p=0.0):
+    if w_up is not None:
+        return ff.swiglu_ffn(x, w1, w_up, w2, b1, b_up, b2, activation=act)
+    return ff.ffn(x, w1, b1, w2, b2, activation=act, dropout_p=p)
+
+
+def _run(fn, tensors, dy, *args, **kw):
+    """Forward + backward with upstream grad dy; returns (y, grads of the non-None inputs)."""
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in tensors]
+    y = fn(*leaves, *args, **kw)
+    needs = [t for t in leaves if t is not None]
+    return y.detach(), list(torch.autograd.grad(y, needs, dy))
+
+
+NAMES = ("dx", "dw1", "db1", "dw2", "db2", "dw_up", "db_up")
+
+
+def _compare(tensors, dy, act, dtype, tokens):
+    y, grads = _run(_ours, tensors, dy, act)
+    oracle_dtype = torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+    up = [t.to(oracle_dtype) if t is not None else None for t in tensors]
+    y_o, grads_o = _run(_eager, up, dy.to(oracle_dtype), act)
+    y_l, grads_l = (None, [None] * len(grads))
+    if dtype in LOWP:
+        y_l, grads_l = _run(_eager, tensors, dy, act)
+    check("y", y, y_o, y_l)
+    names = [n for n, t in zip(NAMES, tensors) if t is not None]
+    for name, g, g_o, g_l in zip(names, grads, grads_o, grads_l):
+        # parameter gradients are sums over the tokens (oracle.row_sum_tol)
+        tol = 1e-5 if name == "dx" else row_sum_tol(2e-5, tokens)
+        check(name, g, g_o, g_l, grad=True, atol=tol, rtol=tol)
+
+
+def _cases(shapes, dtypes, per_shape=4):
+    """per_shape of the 8 (activation, gated) pairs for each shape and dtype, rotating so that
+    consecutive shapes take the next pairs (every pair appears), biases on every other case."""
+    pairs = [(act, gated) for gated in (False, True) for act in ACTS]
+    out = []
+    for i, (tokens, d, hidden) in enumerate(shapes):
+        for dtype in dtypes:
+            for k in range(per_shape):
+                act, gated = pairs[(i * per_shape + k) % len(pairs)]
+                bias = (i + k) % 2 == 0
+                out.append(pytest.param(tokens, d, hidden, dtype, act, gated, bias,
+                                        id=f"{tokens}x{d}x{hidden}-{str(dtype)[6:]}-{act}-"
+                                           f"{'glu' if gated else 'ffn'}-{'b' if bias else 'nob'}"))
+    return out
+
+
+CASE_ARGS = "tokens,d,hidden,dtype,act,gated,bias"
+
+
+@pytest.mark.parametrize(CASE_ARGS, _cases(SHAPES, [torch.float32])
+                         + _cases(LOWP_SHAPES, list(LOWP), per_shape=2)
+                         + _cases([(256, 1000, 2730)], [torch.bfloat16], per_shape=1))
+def test_cpu_matches_eager(tokens, d, hidden, dtype, act, gated, bias):
+    _backend_matches_eager("cpu", tokens, d, hidden, dtype, act, gated, bias)
+
+
+# The reference is the oracle's twin: a few cases check it.
+@pytest.mark.parametrize(CASE_ARGS, _cases(SHAPES[:2], [torch.float32], per_shape=8)
+                         + _cases(LOWP_SHAPES[:1], list(LOWP), per_shape=2))
+def test_reference_matches_eager(tokens, d, hidden, dtype, act, gated, bias):
+    _backend_matches_eager("reference", tokens, d, hidden, dtype, act, gated, bias)
+
+
+# The interpreter costs ~20 ms per program: small shapes.
+@pytest.mark.parametrize(CASE_ARGS, _cases(TRITON_SHAPES[:1], [torch.float32], per_shape=8)
+                         + _cases(TRITON_SHAPES, list(LOWP), per_shape=2)
+                         + _cases(TRITON_SHAPES[1:], [torch.float32], per_shape=3))
+def test_triton_matches_eager(tokens, d, hidden, dtype, act, gated, bias):
+    _backend_matches_eager("triton", tokens, d, hidden, dtype, act, gated, bias)
+
+
+def _backend_matches_eager(backend, tokens, d, hidden, dtype, act, gated, bias):
+    b = ff.backends.get(backend)
+    why = b.availability() or (None if "ffn" in b.impls else "not built")
+    if why or "cpu" not in b.devices():
+        pytest.skip(f"{backend}: {why or 'no CPU device'}")
+    *tensors, dy = _params(tokens, d, hidden, dtype, gated, bias)
+    with ff.use_backend(backend):
+        _compare(tensors, dy, act, dtype, tokens)
+        assert ff.last_dispatch().backend == backend
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device; none present")
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize(CASE_ARGS, _cases(SHAPES[:3], [torch.float32, *LOWP], per_shape=8))
+def test_gpu_matches_eager(backend, tokens, d, hidden, dtype, act, gated, bias):
+    why = ff.backends.get(backend).availability()
+    if why:
+        pytest.skip(f"{backend}: {why}")
+    *tensors, dy = _params(tokens, d, hidden, dtype, gated, bias)
+    tensors = [t.cuda() if t is not None else None for t in tensors]
+    with ff.use_backend(backend):
+        _compare(tensors, dy.cuda(), act, dtype, tokens)
+        assert ff.last_dispatch().backend == backend
+
+
+@pytest.mark.parametrize("backend", backend_params("ffn"))
+@pytest.mark.parametrize("gated", [False, True])
+def test_inference_path_matches(backend, gated):
+    """Without autograd the first GEMM's epilogue applies the activation (nothing is saved)."""
+    *tensors, _ = _params(33, 64, 200, torch.float32, gated, True)
+    up = [t.double() if t is not None else None for t in tensors]
+    for act in ACTS:
+        with ff.use_backend(backend), torch.no_grad():
+            y = _ours(*tensors, act)
+        check(f"y[{act}]", y, _eager(*up, act))
+
+
+def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:
+    """x (B, L, d) as a view of another layout holding the same values."""
+    if layout == "transposed":      # (L, B, d) storage: no single row stride
+        return x.transpose(0, 1).contiguous().transpose(0, 1)
+    if layout == "strided_rows":    # one row stride, 2 * d
+        return torch.stack([x, x], 2)[:, :, 0]
+    if layout == "last_dim_strided":
+        return torch.stack([x, x], -1)[..., 0]
+    return x
+
+
+@pytest.mark.parametrize("backend", backend_params("ffn"))
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided_rows", "last_dim_strided"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_leading_dims_and_non_contiguous_x(backend, layout, gated):
+    x, w1, b1, w2, b2, w_up, b_up, dy = _params(0, 48, 96, torch.float32, gated, True, lead=(3, 5))
+    xv = _layout(x, layout)
+    assert torch.equal(xv, x) and (layout == "contiguous") == xv.is_contiguous()
+    with ff.use_backend("auto" if backend == "triton" and layout == "transposed" else backend):
+        y, grads = _run(_ours, (xv, w1, b1, w2, b2, w_up, b_up), dy, "gelu")
+    assert y.shape == (3, 5, 48)
+    up = [t.double() if t is not None else None for t in (x, w1, b1, w2, b2, w_up, b_up)]
+    y_o, grads_o = _run(_eager, up, dy.double(), "gelu")
+    check("y", y, y_o)
+    for g, g_o in zip(grads, grads_o):
+        check("grad", g, g_o, grad=True, atol=2e-5, rtol=2e-5)
+
+
+def test_triton_rejects_rows_without_one_stride():
+    x = _layout(torch.randn(3, 5, 16), "transposed")
+    w1, w2 = torch.randn(32, 16), torch.randn(16, 32)
+    with ff.use_backend("triton"), pytest.raises(ValueError, match="rows_strided"):
+        ff.ffn(x, w1, None, w2, None)
+
+
+@pytest.mark.parametrize("act", list(ACTS))
+@pytest.mark.parametrize("variant", ["ffn", "ffn_dropout", "gated"])
+def test_gradcheck_fp64_cpu(act, variant):
+    gated = variant == "gated"
+    x, w1, b1, w2, b2, w_up, b_up, _ = _params(5, 7, 9, torch.float64, gated, True)
+    args = [t.requires_grad_(True) for t in (x, w1, b1, w2, b2, w_up, b_up) if t is not None]
+    p = 0.3 if variant == "ffn_dropout" else 0.0
+
+    def fn(*a):
+        torch.manual_seed(1234)  # the same dropout mask at every evaluation
+        if gated:
+            return ff.swiglu_ffn(a[0], a[1], a[5], a[3], a[2], a[6], a[4], activation=act)
+        return ff.ffn(*a, activation=act, dropout_p=p)
+
+    with ff.use_backend("cpu"):
+        assert torch.autograd.gradcheck(fn, args, eps=1e-6, atol=1e-7, rtol=1e-6)
+
+
+# ---- dropout --------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", backend_params("ffn"))
+def test_dropout_uses_the_documented_mask_and_its_gradients(backend):
+    tokens, d, hidden, p = 19, 40, 72, 0.25
+    *tensors, dy = _params(tokens, d, hidden, torch.float32, False, True)
+    x, w1, b1, w2, b2, _, _ = tensors
+    torch.manual_seed(7)
+    rng_state = draw_rng_state()
+    keep = keep_mask(rng_state, (tokens, hidden), p)
+    assert 0.6 < keep.float().mean() < 0.9
+    torch.manual_seed(7)
+    with ff.use_backend(backend):
+        y, grads = _run(_ours, tensors[:5] + [None, None], dy, "gelu", p)
+    up = [t.double() for t in tensors[:5]]
+    y_o, grads_o = _run(lambda *a: _eager(*a, None, None, "gelu", keep, p), up, dy.double())
+    check("y", y, y_o)
+    for name, g, g_o in zip(NAMES, grads, grads_o):
+        tol = 1e-5 if name == "dx" else row_sum_tol(2e-5, tokens)
+        check(name, g, g_o, grad=True, atol=tol, rtol=tol)
+
+
+def test_dropout_is_reproducible_with_manual_seed():
+    x, w1, b1, w2, b2, *_ = _params(8, 16, 32, torch.float32, False, True)
+    outs = []
+    for seed in (3, 3, 4):
+        torch.manual_seed(seed)
+        outs.append(ff.ffn(x, w1, b1, w2, b2, dropout_p=0.5))
+    assert torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])
+    assert torch.equal(ff.ffn(x, w1, b1, w2, b2, dropout_p=0.0), ff.ffn(x, w1, b1, w2, b2))
+
+
+# ---- autograd bookkeeping ---------------------------------------------------------------------
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct tensors autograd saves while fn() runs."""
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_saves_the_pre_activation_not_the_activation(gated):
+    tokens, d, hidden = 64, 32, 128
+    x, w1, b1, w2, b2, w_up, b_up, _ = _params(tokens, d, hidden, torch.float32, gated, True)
+    params = [t.requires_grad_(True) for t in (x, w1, b1, w2, b2, w_up, b_up) if t is not None]
+    inputs = sum(t.numel() * 4 for t in params if t.dim() == 2)  # x and the weights
+    ours = _saved_bytes(lambda: _ours(x, w1, b1, w2, b2, w_up, b_up, "silu"))
+    eager = _saved_bytes(lambda: _eager(x, w1, b1, w2, b2, w_up, b_up, "silu"))
+    hidden_bytes = tokens * hidden * 4
+    assert ours - inputs == (2 if gated else 1) * hidden_bytes
+    assert eager - inputs >= (4 if gated else 2) * hidden_bytes
+
+
+def test_frozen_weights_and_partial_gradients():
+    x, w1, b1, w2, b2, w_up, b_up, dy = _params(20, 24, 40, torch.float32, True, True)
+    w1.requires_grad_(True)
+    b_up.requires_grad_(True)
+    y = ff.swiglu_ffn(x, w1, w_up, w2, None, b_up, b2)
+    g_w1, g_bu = torch.autograd.grad(y, (w1, b_up), dy)
+    w1d, bud = w1.detach().double().requires_grad_(True), b_up.detach().double().requires_grad_(True)
+    y_o = _eager(x.double(), w1d, None, w2.double(), b2.double(), w_up.double(), bud, "silu")
+    e_w1, e_bu = torch.autograd.grad(y_o, (w1d, bud), dy.double())
+    check("y", y, y_o)
+    check("dw_gate", g_w1, e_w1, atol=4e-5, rtol=4e-5)
+    check("db_up", g_bu, e_bu, atol=4e-5, rtol=4e-5)
+
+
+def test_zero_tokens():
+    x, w1, b1, w2, b2, *_ = _params(0, 16, 32, torch.float32, False, True)
+    params = [t.requires_grad_(True) for t in (x, w1, b1, w2, b2)]
+    y = ff.ffn(*params)
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    for t in params[1:]:
+        assert torch.equal(t.grad, torch.zeros_like(t))
+
+
+def test_cpu_capability_levels_agree(capability_levels):
+    *tensors, dy = _params(37, 100, 203, torch.float32, True, True)
+    results = {}
+    try:
+        for level in capability_levels:
+            ff._ext.C.set_cpu_capability(level)
+            with ff.use_backend("cpu"):
+                results[level] = _run(_ours, tensors, dy, "gelu")
+    finally:
+        ff._ext.C.set_cpu_capability(capability_levels[-1])
+    y0, g0 = results[capability_levels[0]]
+    for level, (y, g) in results.items():
+        check(f"y[{level}]", y, y0)
+        for a, b in zip(g, g0):
+            check(f"grad[{level}]", a, b, atol=2e-5, rtol=2e-5)
+
+
+def test_eager_via_ops_route_and_compile(monkeypatch):
+    *tensors, dy = _params(9, 24, 40, torch.float32, False, True)
+    base = _run(_ours, tensors, dy, "gelu_tanh", 0.0)
+    monkeypatch.setenv("FASTFORMER_EAGER_VIA_OPS", "1")
+    ff.backends.reload_env()
+    try:
+        via_ops = _run(_ours, tensors, dy, "gelu_tanh", 0.0)
+    finally:
+        monkeypatch.delenv("FASTFORMER_EAGER_VIA_OPS")
+        ff.backends.reload_env()
+    torch._dynamo.reset()
+    compiled = _run(torch.compile(_ours, fullgraph=True, backend="aot_eager"), tensors, dy,
+                    "gelu_tanh", 0.0)
+    for y, grads in (via_ops, compiled):
+        torch.testing.assert_close(y, base[0])
+        for a, b in zip(grads, base[1]):
+            torch.testing.assert_close(a, b)
+
+
+def test_opcheck_ffn_ops():
+    from fastformer.ops import ffn as ffn_ops
+    x, w1, b1, w2, b2, w_up, b_up, dy = _params(5, 8, 12, torch.float32, True, True)
+    args = (x, w1, b1, w2, b2, w_up, b_up, 3, 0.0, None, True)
+    torch.library.opcheck(ffn_ops.ffn_fwd_op, args)
+    _, saved = ffn_ops.ffn_fwd_op(*args)
+    torch.library.opcheck(ffn_ops.ffn_bwd_op, (dy, x, w1, w2, w_up, saved, 3, 0.0, None, True,
+                                               [True] * 7))
+
+
+# ---- modules --------------------------------------------------------------------------------
+def test_feed_forward_module_matches_torch_layers():
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, activation="gelu",
+                                             batch_first=True)
+    ours = ff.FeedForward(32, 64, activation="gelu", dropout=0.1)
+    ours.load_state_dict({k: v for k, v in layer.state_dict().items() if k.startswith("linear")})
+    assert set(ours.state_dict()) == {"linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias"}
+    ours.eval()
+    layer.eval()
+    x = torch.randn(2, 7, 32)
+    check("FeedForward", ours(x), layer.linear2(F.gelu(layer.linear1(x))))
+    ours.train()
+    torch.manual_seed(5)
+    a = ours(x)
+    torch.manual_seed(5)
+    assert torch.equal(a, ours(x)) and not torch.equal(a, ours.eval()(x))
+    no_bias = ff.FeedForward(16, 24, bias=False)
+    assert set(no_bias.state_dict()) == {"linear1.weight", "linear2.weight"}
+
+
+def test_swiglu_module():
+    m = ff.SwiGLU(24, 40)
+    assert set(m.state_dict()) == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+    x = torch.randn(3, 4, 24)
+    expected = m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+    check("SwiGLU", m(x), expected.double(), atol=2e-5, rtol=2e-5)
+    assert ff.SwiGLU(8, 16, bias=True, activation="gelu")(torch.randn(2, 8)).shape == (2, 8)
+    with pytest.raises(ValueError, match="'relu', 'gelu', 'gelu_tanh', 'silu'"):
+        ff.SwiGLU(8, 16, activation="swish")
+
+
+# ---- bad input --------------------------------------------------------------------------------
+def _bad_calls():
+    x, w1, b1, w2, b2 = torch.randn(4, 16), torch.randn(32, 16), torch.randn(32), torch.randn(16, 32), torch.randn(16)
+    return [
+        (lambda: ff.ffn(x, torch.randn(32, 15), b1, w2, b2), ValueError, "w1"),
+        (lambda: ff.ffn(x, w1, torch.randn(31), w2, b2), ValueError, "b1"),
+        (lambda: ff.ffn(x, w1, b1, torch.randn(16, 31), b2), ValueError, "w2"),
+        (lambda: ff.ffn(x, w1, b1, w2, torch.randn(15)), ValueError, "b2"),
+        (lambda: ff.ffn(x, w1.double(), b1, w2, b2), TypeError, "w1"),
+        (lambda: ff.ffn(x, w1, b1, w2.bfloat16(), b2), TypeError, "w2"),
+        (lambda: ff.ffn(x.long(), w1, b1, w2, b2), TypeError, "x"),
+        (lambda: ff.ffn(x, w1.to("meta"), b1, w2, b2), ValueError, "w1"),
+        (lambda: ff.ffn([1.0], w1, b1, w2, b2), TypeError, "x"),
+        (lambda: ff.ffn(x, w1, b1, w2, b2, activation="swish"), ValueError, "activation"),
+        (lambda: ff.ffn(x, w1, b1, w2, b2, dropout_p=1.0), ValueError, "dropout_p"),
+        (lambda: ff.ffn(x, w1[0], b1, w2, b2), ValueError, "w1"),
+        (lambda: ff.ffn(torch.randn(4, 0), w1, b1, w2, b2), ValueError, "x"),
+        (lambda: ff.swiglu_ffn(x, w1, torch.randn(31, 16), w2), ValueError, "w_up"),
+        (lambda: ff.swiglu_ffn(x, w1, w1, w2, b_up=torch.randn(32).half()), TypeError, "b_up"),
+        (lambda: ff.swiglu_ffn(x, w1, w1, w2, activation=None), ValueError, "activation"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_calls())))
+def test_bad_input_names_the_argument(case):
+    call, exc, name = _bad_calls()[case]
+    with pytest.raises(exc, match=f"`{name}`"):
+        call()
+
+
+def test_unknown_activation_lists_the_valid_ones():
+    x, w1, w2 = torch.randn(2, 8), torch.randn(16, 8), torch.randn(8, 16)
+    with pytest.raises(ValueError, match="'relu', 'gelu', 'gelu_tanh', 'silu'; got 'tanh'"):
+        ff.ffn(x, w1, None, w2, None, activation="tanh")
