@@ -411,6 +411,7 @@ Tensor rotary(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interl
     kernels().rotary(a);
   }
   return out;
+}
 
 // ---- feed-forward ---------------------------------------------------------------------------
 // (..., cols) tensor as a matrix: rows by leading_layout, any column stride.

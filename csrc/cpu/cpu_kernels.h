@@ -105,6 +105,8 @@ struct RotaryArgs {
   const void* sin = nullptr;         // (L, R/2) contiguous
   bool interleaved = false;          // pairs (2i, 2i+1) instead of (i, i + R/2)
   bool conj = false;                 // rotate by -theta (the backward)
+};
+
 // ---- feed-forward block -------------------------------------------------------------------
 // A 2-D matrix view: element (r, c) at ptr + rows.offset(r) + c * col_stride (in elements).
 struct MatView {
