@@ -12,6 +12,9 @@ X = torch.randn(4, 16)
 W = torch.randn(16)
 Q, K, V = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
 META = torch.randn(4, 16, device="meta")
+W1, W2, WU = torch.randn(32, 16), torch.randn(16, 32), torch.randn(32, 16)
+B1, B2 = torch.randn(32), torch.randn(16)
+ROT_X = torch.randn(2, 4, 8, 16)
 
 CATALOGUE = {
     # rank / shape
@@ -55,6 +58,32 @@ CATALOGUE = {
     "attention: causal name": (lambda: ff.attention(Q, K, V, causal="lower"), ValueError, "causal"),
     "norm: return_residual type": (lambda: ff.add_layer_norm(X, X, None, None, return_residual="yes"), TypeError, "return_residual"),
     "backend name": (lambda: ff.use_backend("tpu").__enter__(), ValueError, "backend"),
+    # feed-forward
+    "ffn: w1 shape": (lambda: ff.ffn(X, W1[:, :8], B1, W2, B2), ValueError, "w1"),
+    "ffn: w2 shape": (lambda: ff.ffn(X, W1, B1, W2[:, :8], B2), ValueError, "w2"),
+    "ffn: b1 shape": (lambda: ff.ffn(X, W1, B1[:3], W2, B2), ValueError, "b1"),
+    "ffn: b2 shape": (lambda: ff.ffn(X, W1, B1, W2, B1), ValueError, "b2"),
+    "ffn: unknown activation": (lambda: ff.ffn(X, W1, B1, W2, B2, activation="tanh"), ValueError, "activation"),
+    "ffn: weight dtype": (lambda: ff.ffn(X, W1.double(), B1, W2, B2), TypeError, "w1"),
+    "ffn: integer x": (lambda: ff.ffn(X.long(), W1, B1, W2, B2), TypeError, "x"),
+    "ffn: dropout range": (lambda: ff.ffn(X, W1, B1, W2, B2, dropout_p=1.5), ValueError, "dropout_p"),
+    "ffn: weight device": (lambda: ff.ffn(X, W1.to("meta"), B1, W2, B2), ValueError, "w1"),
+    "ffn: x rank": (lambda: ff.ffn(torch.tensor(1.0), W1, B1, W2, B2), ValueError, "x"),
+    "swiglu: w_up shape": (lambda: ff.swiglu_ffn(X, W1, WU[:8], W2), ValueError, "w_up"),
+    "swiglu: unknown activation": (lambda: ff.swiglu_ffn(X, W1, WU, W2, activation="swish"), ValueError, "activation"),
+    "swiglu: w_down dtype": (lambda: ff.swiglu_ffn(X, W1, WU, W2.half()), TypeError, "w_down"),
+    "FeedForward: input size": (lambda: ff.FeedForward(16, 32)(torch.randn(3, 8)), ValueError, "x"),
+    # rotary / positional
+    "apply_rotary: x rank": (lambda: ff.apply_rotary(ROT_X[0], torch.randn(8, 8), torch.randn(8, 8)), ValueError, "x"),
+    "RotaryEmbedding: odd dim": (lambda: ff.RotaryEmbedding(15), ValueError, "dim"),
+    "LearnedPositionalEncoding: too long": (lambda: ff.LearnedPositionalEncoding(4, 16, batch_first=True)(torch.randn(2, 8, 16)), ValueError, "max_len"),
+    # modules
+    "MultiheadAttention: heads": (lambda: ff.MultiheadAttention(16, 3), ValueError, "num_heads"),
+    "MultiheadAttention: add_bias_kv": (lambda: ff.MultiheadAttention(16, 4, add_bias_kv=True), NotImplementedError, "add_bias_kv"),
+    "MultiheadAttention: query rank": (lambda: ff.MultiheadAttention(16, 4)(X[0], X[0], X[0], need_weights=False), ValueError, "query"),
+    "TransformerEncoderLayer: activation": (lambda: ff.TransformerEncoderLayer(16, 4, activation="tanh"), ValueError, "activation"),
+    "TransformerEncoderLayer: d_model": (lambda: ff.TransformerEncoderLayer(16, 4, 32)(torch.randn(2, 3, 8)), ValueError, "src"),
+    "convert: not a module": (lambda: ff.convert("model"), TypeError, "model"),
 }
 
 

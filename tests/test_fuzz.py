@@ -215,3 +215,96 @@ def test_fuzz_add_norm_triton(c):
         # rows without one common stride: triton declines them (auto falls back; test_backends)
         c = dict(c, layout="contiguous")
     _check_norm("triton", c)
+
+
+# ---- feed-forward ------------------------------------------------------------------------------
+FFN_ACTS = {"relu": torch.relu, "gelu": torch.nn.functional.gelu,
+            "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
+            "silu": torch.nn.functional.silu}
+
+
+@st.composite
+def ffn_case(draw, max_tokens=40, dims=(1, 3, 8, 17, 64, 100), hiddens=(1, 5, 16, 33, 130)):
+    gated = draw(st.booleans())
+    return dict(
+        lead=draw(st.sampled_from([(), (1,), (2,), (3,)])), tokens=draw(st.integers(1, max_tokens)),
+        d=draw(st.sampled_from(dims)), hidden=draw(st.sampled_from(hiddens)),
+        dtype=draw(st.sampled_from(DTYPES)), act=draw(st.sampled_from(list(FFN_ACTS))),
+        gated=gated, bias=draw(st.sampled_from(["all", "none", "first"])),
+        dropout=0.0 if gated else draw(st.sampled_from([0.0, 0.0, 0.3])),
+        layout=draw(st.sampled_from(["contiguous", "transposed", "sliced"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+def _ffn_eager(c, keep, x, w1, b1, w2, b2, w_up, b_up):
+    act = FFN_ACTS[c["act"]]
+    pre = torch.nn.functional.linear(x, w1, b1)
+    if c["gated"]:
+        h = act(pre) * torch.nn.functional.linear(x, w_up, b_up)
+    else:
+        h = act(pre)
+        if keep is not None:
+            h = h * keep.reshape(*x.shape[:-1], -1).to(h.dtype) / (1 - c["dropout"])
+    return torch.nn.functional.linear(h, w2, b2)
+
+
+def _check_ffn(backend, c):
+    from fastformer.reference.rng import draw_rng_state, keep_mask
+    g = torch.Generator().manual_seed(c["seed"])
+    d, hidden = c["d"], c["hidden"]
+    mk = lambda *s, scale=1.0: (torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+                                * scale).to(c["dtype"])
+    shape = (*c["lead"], c["tokens"], d)
+    x_leaf, x_view = _leaf_and_view(mk(*shape), c["layout"])
+    w1, w2 = mk(hidden, d, scale=d ** -0.5), mk(d, hidden, scale=hidden ** -0.5)
+    w_up = mk(hidden, d, scale=d ** -0.5) if c["gated"] else None
+    b1 = mk(hidden, scale=0.5) if c["bias"] != "none" else None
+    b2 = mk(d, scale=0.5) if c["bias"] == "all" else None
+    b_up = mk(hidden, scale=0.5) if c["gated"] and c["bias"] == "all" else None
+    tensors = [x_leaf, w1, b1, w2, b2, w_up, b_up]
+    ident = lambda t: t  # noqa: E731
+    views = [x_view] + [ident] * 6
+    p = c["dropout"]
+
+    def ours(x, w1, b1, w2, b2, w_up, b_up):
+        if c["gated"]:
+            return ff.swiglu_ffn(x, w1, w_up, w2, b1, b_up, b2, activation=c["act"])
+        return ff.ffn(x, w1, b1, w2, b2, activation=c["act"], dropout_p=p)
+
+    keep = None
+    if p > 0:
+        torch.manual_seed(c["seed"])
+        keep = keep_mask(draw_rng_state(), (c["tokens"] * max(1, int(torch.tensor(c["lead"]).prod()))
+                                             if c["lead"] else c["tokens"], hidden), p)
+        torch.manual_seed(c["seed"])
+    with ff.use_backend(backend):
+        out = _grads_through_views(ours, tensors, views)
+    up = torch.float64 if c["dtype"] == torch.float32 else torch.float32
+    oracle = _grads_through_views(lambda *a: _ffn_eager(c, keep, *a),
+                                  [t.to(up) if t is not None else None for t in tensors], views)
+    lowp = _grads_through_views(lambda *a: _ffn_eager(c, keep, *a), tensors, views)
+    check("y", out[0][0], oracle[0][0], lowp[0][0])
+    tokens = c["tokens"] * (int(torch.tensor(c["lead"]).prod()) if c["lead"] else 1)
+    names = [n for n, t in zip(("dx", "dw1", "db1", "dw2", "db2", "dw_up", "db_up"), tensors)
+             if t is not None]
+    for name, o, r, l in zip(names, out[1], oracle[1], lowp[1]):
+        tol = 1e-5 if name == "dx" else row_sum_tol(2e-5, tokens)
+        check(name, o, r, l, grad=True, atol=tol, rtol=tol)
+
+
+@fuzz(220)
+@seed(20261203)
+@given(c=ffn_case())
+def test_fuzz_ffn_cpu(c):
+    _check_ffn("cpu", c)
+
+
+@pytest.mark.skipif(not _has_triton_cpu(), reason="triton not installed or TRITON_INTERPRET unset")
+@fuzz(20)
+@seed(20261204)
+@given(c=ffn_case(max_tokens=20, dims=(1, 8, 17, 40), hiddens=(1, 16, 33)))
+def test_fuzz_ffn_triton(c):
+    if c["layout"] == "transposed" and c["lead"]:
+        c = dict(c, layout="contiguous")  # rows without one stride: triton declines them
+    _check_ffn("triton", c)

@@ -77,6 +77,12 @@ class MultiheadAttention(nn.MultiheadAttention):
         if add_zero_attn:
             raise NotImplementedError(f"{_FN}: add_zero_attn=True is not supported; use "
                                       "torch.nn.MultiheadAttention for it")
+        for name, v in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{_FN}: `{name}` must be a positive int, got {v!r}")
+        if embed_dim % num_heads:
+            raise ValueError(f"{_FN}: `embed_dim` ({embed_dim}) must be divisible by `num_heads` "
+                             f"({num_heads})")
         super().__init__(embed_dim, num_heads, dropout, bias, False, False, kdim, vdim,
                          batch_first, device, dtype)
         if rotary is True:

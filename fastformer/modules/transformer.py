@@ -112,6 +112,17 @@ def _detect_is_causal_mask(mask: Optional[Tensor], is_causal: Optional[bool], si
     return bool(is_causal)
 
 
+def _check_width(layer, name: str, t) -> None:
+    d_model = layer.self_attn.embed_dim
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{type(layer).__name__}: `{name}` must be a Tensor, got "
+                        f"{type(t).__name__}")
+    if t.dim() not in (2, 3) or t.shape[-1] != d_model:
+        raise ValueError(f"{type(layer).__name__}: `{name}` must have shape (L, {d_model}) or "
+                         f"batched (L, N, {d_model}) / (N, L, {d_model}) with d_model = "
+                         f"{d_model}, got {tuple(t.shape)}")
+
+
 class _FeedForwardLayer(nn.Module):
     """The FFN sublayer shared by the encoder and decoder layers (submodules named as torch's)."""
 
@@ -174,6 +185,7 @@ class TransformerEncoderLayer(_FeedForwardLayer):
 
     def forward(self, src: Tensor, src_mask: Optional[Tensor] = None,
                 src_key_padding_mask: Optional[Tensor] = None, is_causal: bool = False) -> Tensor:
+        _check_width(self, "src", src)
         x, pending = self._run(src, None, src_mask, src_key_padding_mask, is_causal)
         return x if pending is None else x + pending
 
@@ -224,6 +236,8 @@ class TransformerDecoderLayer(_FeedForwardLayer):
                 tgt_key_padding_mask: Optional[Tensor] = None,
                 memory_key_padding_mask: Optional[Tensor] = None, tgt_is_causal: bool = False,
                 memory_is_causal: bool = False) -> Tensor:
+        _check_width(self, "tgt", tgt)
+        _check_width(self, "memory", memory)
         x, pending = self._run(tgt, None, memory, tgt_mask, memory_mask, tgt_key_padding_mask,
                                memory_key_padding_mask, tgt_is_causal, memory_is_causal)
         return x if pending is None else x + pending

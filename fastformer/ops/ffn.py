@@ -288,7 +288,10 @@ def _check_linear(fn: str, x: Tensor, pairs) -> None:
         if t.dim() != len(shape):
             raise ValueError(f"{fn}: `{name}` must be {len(shape)}-D with shape {shape}{why}, "
                              f"got {t.dim()}-D with shape {tuple(t.shape)}")
-        _checks.shape(fn, name, t, shape, why)
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{fn}: `{name}` must have shape {tuple(shape)}{why} to match `x` "
+                             f"of shape {tuple(x.shape)} (d_model = its last dim), got "
+                             f"{tuple(t.shape)}")
 
 
 def _check_x(fn: str, x) -> int:
