@@ -1,8 +1,10 @@
 """Bitwise determinism across runs and thread counts, and concurrent calls (issue 8, item 5).
 
-The cpu backend is deterministic by construction: add+norm sums dw/db over fixed row blocks in
+The cpu backend is deterministic by construction (a thread count changes only which thread runs
+a block, never how a sum is split): add+norm sums dw/db over fixed row blocks in
 order; attention's forward tasks are independent rows; its backward splits keys into a number
-of chunks that depends on the shape only and sums the dQ partials in chunk order.
+of chunks that depends on the shape only and sums the dQ partials in chunk order; the FFN's GEMMs split output tiles over threads, never the
+reduction dimension, and sum bias gradients over fixed row blocks in order.
 """
 import threading
 
@@ -29,7 +31,33 @@ def _attention_step(q, k, v, **kw):
     return [out.detach()] + [t.grad for t in leaves]
 
 
+def _ffn_step(x, w1, b1, w2, b2, w_up=None, p=0.0):
+    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None
+              for t in (x, w1, b1, w2, b2, w_up)]
+    x, w1, b1, w2, b2, w_up = leaves
+    torch.manual_seed(12)
+    y = (ff.swiglu_ffn(x, w1, w_up, w2, b1, None, b2) if w_up is not None
+         else ff.ffn(x, w1, b1, w2, b2, activation="gelu", dropout_p=p))
+    gen = torch.Generator().manual_seed(7)
+    (y * torch.randn(y.shape, generator=gen)).sum().backward()
+    return [y.detach()] + [t.grad for t in leaves if t is not None]
+
+
+def _rotary_step(x):
+    leaf = x.detach().clone().requires_grad_(True)
+    rope = ff.RotaryEmbedding(x.shape[-1])
+    y = rope(leaf)
+    gen = torch.Generator().manual_seed(8)
+    (y * torch.randn(y.shape, generator=gen)).sum().backward()
+    return [y.detach(), leaf.grad]
+
+
 CASES = {
+    "ffn_gelu_dropout": lambda: _ffn_step(torch.randn(300, 96), torch.randn(200, 96), torch.randn(200),
+                                          torch.randn(96, 200), torch.randn(96), p=0.1),
+    "swiglu": lambda: _ffn_step(torch.randn(2, 150, 64), torch.randn(130, 64), torch.randn(130),
+                                torch.randn(64, 130), torch.randn(64), torch.randn(130, 64)),
+    "rotary": lambda: _rotary_step(torch.randn(2, 3, 77, 40)),
     "add_layer_norm": lambda: _norm_step(torch.randn(300, 257), torch.randn(300, 257),
                                          torch.randn(257), torch.randn(257)),
     "attention_causal_gqa": lambda: _attention_step(torch.randn(2, 4, 150, 40), torch.randn(2, 2, 170, 40),
