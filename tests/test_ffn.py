@@ -402,3 +402,44 @@ def test_unknown_activation_lists_the_valid_ones():
     x, w1, w2 = torch.randn(2, 8), torch.randn(16, 8), torch.randn(8, 16)
     with pytest.raises(ValueError, match="'relu', 'gelu', 'gelu_tanh', 'silu'; got 'tanh'"):
         ff.ffn(x, w1, None, w2, None, activation="tanh")
+
+
+def test_cuda_backend_wiring_with_stand_in_epilogues(monkeypatch):
+    """The cuda FFN path (cuBLAS GEMMs + fused epilogues) checked on CPU: the epilogue kernels
+    are replaced by plain-PyTorch functions with their contracts (csrc/cuda/cuda_bindings.h),
+    so the GEMM wiring, the saved [gate | up] layout and the gradient formulas are tested here."""
+    from fastformer import _ext
+    from fastformer.ops import ffn as ops
+    from fastformer.reference import ffn as ref
+
+    class StandIn:
+        def ffn_bias_act_fwd(x, b, act):
+            return ref.activation(x + (0 if b is None else b), act)
+
+        def ffn_bias_act_bwd(dy, x, b, act, need):
+            return [dy * ref.activation_grad(x, act), None]
+
+        def ffn_gated_act_fwd(g, u, act):
+            return ref.activation(g, act) * u
+
+        def ffn_gated_act_bwd(dh, g, u, act):
+            return [dh * u * ref.activation_grad(g, act), dh * ref.activation(g, act)]
+    monkeypatch.setattr(_ext, "C", StandIn)
+    torch.manual_seed(0)
+    f64 = dict(dtype=torch.float64)
+    for gated in (False, True):
+        for bias in (False, True):
+            N, D, F = 37, 24, 50
+            x, w1, w2 = torch.randn(N, D, **f64), torch.randn(F, D, **f64), torch.randn(D, F, **f64)
+            wu = torch.randn(F, D, **f64) if gated else None
+            b1, b2 = (torch.randn(F, **f64), torch.randn(D, **f64)) if bias else (None, None)
+            bu = torch.randn(F, **f64) if (bias and gated) else None
+            for act in range(4):
+                y, s = ops._CudaImpl.fwd(x, w1, b1, w2, b2, wu, bu, act, 0.0, None, True)
+                yr, sr = ref.ffn_fwd(x, w1, b1, w2, b2, wu, bu, act, 0.0, None, True)
+                assert torch.allclose(y, yr) and torch.allclose(s, sr), (gated, bias, act)
+                dy = torch.randn(N, D, **f64)
+                g = ops._CudaImpl.bwd(dy, x, w1, w2, wu, s, act, 0.0, None, (True,) * 7)
+                gr = ref.ffn_bwd(dy, x, w1, w2, wu, sr, act, 0.0, None, (True,) * 7)
+                for i, (a, b) in enumerate(zip(g, gr)):
+                    assert a.shape == b.shape and (a.numel() == 0 or torch.allclose(a, b)), (gated, bias, act, i)

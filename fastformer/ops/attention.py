@@ -24,7 +24,7 @@ from .. import _checks, _ext, backends
 from ..reference import attention as ref
 from ..reference.attention import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT
 from ..reference.rng import draw_rng_state, keep_mask
-from ._common import needs_grad, via_custom_op
+from ._common import LazyLaunchers, needs_grad, via_custom_op
 
 _CAUSAL_NAMES = {"top_left": CAUSAL_TOP_LEFT, "bottom_right": CAUSAL_BOTTOM_RIGHT}
 
@@ -96,16 +96,7 @@ class _CompiledImpl:
         return dq, dk, dv
 
 
-class _TritonImpl:
-    @staticmethod
-    def fwd(*args):
-        from .attention_triton import attention_fwd
-        return attention_fwd(*args)
-
-    @staticmethod
-    def bwd(*args):
-        from .attention_triton import attention_bwd
-        return attention_bwd(*args)
+_TritonImpl = LazyLaunchers(".attention_triton", "attention_fwd", "attention_bwd")
 
 
 class _ReferenceImpl:

@@ -23,7 +23,7 @@ from .. import _checks, _ext, backends
 from ..reference import ffn as ref
 from ..reference.ffn import ACTIVATIONS
 from ..reference.rng import draw_rng_state
-from ._common import needs_grad, rowwise, via_custom_op
+from ._common import LazyLaunchers, needs_grad, rowwise, via_custom_op
 
 _ACT_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
 _NO_GRADS = (False,) * 7
@@ -85,11 +85,14 @@ class _CompiledImpl:
 class _CudaImpl:
     """cuda: GEMMs through cuBLAS (torch.addmm, the bias in its epilogue) and the activation /
     gate as one fused elementwise kernel on the GEMM output (csrc/cuda/ffn_epilogue.cu), forward
-    and backward. Dropout is not taken here (select() sends it to triton)."""
+    and backward. Dropout is not taken here (select() sends it to triton). Gated: the gate and
+    up GEMMs write the two halves of one (N, 2F) buffer, the layout every backend saves."""
 
     @staticmethod
-    def _linear(a, w, b):
-        return torch.addmm(b, a, w.t()) if b is not None else a @ w.t()
+    def _linear(a, w, b, out=None):
+        if b is not None:
+            return torch.addmm(b, a, w.t(), out=out)
+        return torch.mm(a, w.t(), out=out)
 
     @staticmethod
     def fwd(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state, save_preactivation):
@@ -99,13 +102,12 @@ class _CudaImpl:
             pre = lin(x2, w1, b1)
             h = _ext.C.ffn_bias_act_fwd(pre, None, act)
         else:
-            w = torch.cat([w1, w_up])
-            b = torch.cat([b1 if b1 is not None else w1.new_zeros(w1.shape[0]),
-                           b_up if b_up is not None else w1.new_zeros(w1.shape[0])]) \
-                if (b1 is not None or b_up is not None) else None
-            pre = lin(x2, w, b)  # [gate | up], (N, 2F)
             F_ = w1.shape[0]
-            h = _ext.C.ffn_gated_act_fwd(pre[:, :F_], pre[:, F_:], act)
+            pre = x2.new_empty((x2.shape[0], 2 * F_))  # [gate | up]
+            gate, up = pre[:, :F_], pre[:, F_:]
+            lin(x2, w1, b1, out=gate)  # strided outputs: cuBLAS writes them with ldc = 2F
+            lin(x2, w_up, b_up, out=up)
+            h = _ext.C.ffn_gated_act_fwd(gate, up, act)
         y = lin(h, w2, b2).reshape(x.shape)
         return y, (pre if save_preactivation else x.new_empty((0,)))
 
@@ -140,16 +142,7 @@ class _CudaImpl:
         return tuple(grads)
 
 
-class _TritonImpl:
-    @staticmethod
-    def fwd(*args):
-        from .ffn_triton import ffn_fwd
-        return ffn_fwd(*args)
-
-    @staticmethod
-    def bwd(*args):
-        from .ffn_triton import ffn_bwd
-        return ffn_bwd(*args)
+_TritonImpl = LazyLaunchers(".ffn_triton", "ffn_fwd", "ffn_bwd")
 
 
 class _ReferenceImpl:
