@@ -134,43 +134,52 @@ struct Dropout {
   }
 };
 
-template <Activation Act, typename A>
-inline void activate_in_place(A* v, int64_t n) {
+// The activation is a run-time value everywhere below: it is switched on once per packed
+// segment or epilogue tile (hundreds of elements), so the GEMM drivers are instantiated once per
+// dtype instead of once per (dtype, activation), which cut this file's compile time ~3x.
+template <typename A>
+inline void activate_in_place(Activation act, A* v, int64_t n) {
   using V = Vectorized<A>;
-  for (int64_t c = 0; c < n; c += V::size()) activation<Act>(V::loadu(v + c)).store(v + c);
+  dispatch_activation(act, [&](auto tag) {
+    for (int64_t c = 0; c < n; c += V::size()) activation<decltype(tag)::value>(V::loadu(v + c)).store(v + c);
+  });
 }
 
 // hd = act(pre) * keep / (1 - p), from the saved pre-activation (N, F) contiguous.
-template <typename T, Activation Act>
+template <typename T>
 struct ActSource {
   using A = acc_t<T>;
   const T* pre;
   int64_t hidden;
+  Activation act;
   Dropout drop;
   void load(int64_t r, int64_t c0, int64_t n, A* dst) const {
     load_segment(pre + r * hidden + c0, 1, n, dst);
-    activate_in_place<Act>(dst, n);
+    activate_in_place(act, dst, n);
     if (drop.active()) drop.apply(r, c0, n, dst);
   }
 };
 
 // h = act(g) * u, from the saved [g | u] (N, 2F) contiguous.
-template <typename T, Activation Act>
+template <typename T>
 struct GatedSource {
   using A = acc_t<T>;
   const T* gate_up;
   int64_t hidden;
+  Activation act;
   void load(int64_t r, int64_t c0, int64_t n, A* dst) const {
     using V = Vectorized<A>;
     constexpr int64_t kV = V::size();
     const T* g = gate_up + r * 2 * hidden + c0;
     const T* u = g + hidden;
-    for (int64_t c = 0; c < n; c += kV) {
-      const int64_t k = std::min(kV, n - c);
-      const V gv = k == kV ? load_acc(g + c) : load_acc(g + c, k);
-      const V uv = k == kV ? load_acc(u + c) : load_acc(u + c, k);
-      (activation<Act>(gv) * uv).store(dst + c);
-    }
+    dispatch_activation(act, [&](auto tag) {
+      for (int64_t c = 0; c < n; c += kV) {
+        const int64_t k = std::min(kV, n - c);
+        const V gv = k == kV ? load_acc(g + c) : load_acc(g + c, k);
+        const V uv = k == kV ? load_acc(u + c) : load_acc(u + c, k);
+        (activation<decltype(tag)::value>(gv) * uv).store(dst + c);
+      }
+    });
   }
 };
 
@@ -292,7 +301,7 @@ acc_t<T>* padded_param(const void* src, int64_t n, int slot_index) {
 }
 
 // out[i][j] = acc + bias[j], then (kActivate) act(.) * keep: GEMM1 (ffn), GEMM2, dx.
-template <typename T, Activation Act, bool kActivate>
+template <typename T, bool kActivate>
 struct BiasEpilogue {
   using A = acc_t<T>;
   using V = Vectorized<A>;
@@ -300,7 +309,16 @@ struct BiasEpilogue {
   int64_t ld;
   const A* bias;  // padded, or null
   Dropout drop;
+  Activation act = Activation::relu;  // used iff kActivate
   void operator()(int64_t i0, int64_t j0, int64_t m, int64_t n, const A* tile) const {
+    if constexpr (kActivate) {
+      dispatch_activation(act, [&](auto tag) { rows<decltype(tag)::value>(i0, j0, m, n, tile); });
+    } else {
+      rows<Activation::relu>(i0, j0, m, n, tile);
+    }
+  }
+  template <Activation Act>
+  void rows(int64_t i0, int64_t j0, int64_t m, int64_t n, const A* tile) const {
     constexpr int64_t NR = Blk<A>::kNR, kV = V::size();
     alignas(64) A row[NR];
     for (int64_t r = 0; r < m; ++r) {
@@ -319,7 +337,7 @@ struct BiasEpilogue {
 
 // Gated GEMM1 (interleaved columns): training stores g = acc_g + bg and u = acc_u + bu into
 // [g | u] (ld 2F); inference stores h = act(g) * u (ld F).
-template <typename T, Activation Act>
+template <typename T>
 struct GatedEpilogue {
   using A = acc_t<T>;
   using V = Vectorized<A>;
@@ -329,27 +347,32 @@ struct GatedEpilogue {
   const A* b_gate;  // padded
   const A* b_up;
   bool store_preactivation;
+  Activation act;
   void operator()(int64_t i0, int64_t j0, int64_t m, int64_t, const A* tile) const {
     constexpr int64_t kV = V::size();
     const int64_t unit0 = j0 / 2, units = std::min<int64_t>(kV, hidden - unit0);
     if (units <= 0) return;
     const V bg = V::loadu(b_gate + unit0), bu = V::loadu(b_up + unit0);
-    for (int64_t r = 0; r < m; ++r) {
-      const V g = V::loadu(tile + r * 2 * kV) + bg;
-      const V u = V::loadu(tile + r * 2 * kV + kV) + bu;
-      if (store_preactivation) {
+    if (store_preactivation) {
+      for (int64_t r = 0; r < m; ++r) {
         T* dst = out + (i0 + r) * 2 * hidden + unit0;
-        store_lanes(dst, g, units);
-        store_lanes(dst + hidden, u, units);
-      } else {
-        store_lanes(out + (i0 + r) * hidden + unit0, activation<Act>(g) * u, units);
+        store_lanes(dst, V::loadu(tile + r * 2 * kV) + bg, units);
+        store_lanes(dst + hidden, V::loadu(tile + r * 2 * kV + kV) + bu, units);
       }
+      return;
     }
+    dispatch_activation(act, [&](auto tag) {
+      for (int64_t r = 0; r < m; ++r) {
+        const V g = V::loadu(tile + r * 2 * kV) + bg;
+        const V u = V::loadu(tile + r * 2 * kV + kV) + bu;
+        store_lanes(out + (i0 + r) * hidden + unit0, activation<decltype(tag)::value>(g) * u, units);
+      }
+    });
   }
 };
 
 // dpre = acc * keep / (1 - p) * act'(pre), pre read from the saved (N, F).
-template <typename T, Activation Act>
+template <typename T>
 struct DpreEpilogue {
   using A = acc_t<T>;
   using V = Vectorized<A>;
@@ -357,7 +380,12 @@ struct DpreEpilogue {
   T* dpre;
   int64_t hidden;
   Dropout drop;
+  Activation act;
   void operator()(int64_t i0, int64_t j0, int64_t m, int64_t n, const A* tile) const {
+    dispatch_activation(act, [&](auto tag) { rows<decltype(tag)::value>(i0, j0, m, n, tile); });
+  }
+  template <Activation Act>
+  void rows(int64_t i0, int64_t j0, int64_t m, int64_t n, const A* tile) const {
     constexpr int64_t NR = Blk<A>::kNR, kV = V::size();
     alignas(64) A row[NR];
     for (int64_t r = 0; r < m; ++r) {
@@ -375,14 +403,19 @@ struct DpreEpilogue {
 };
 
 // dg = dh * u * act'(g), du = dh * act(g) into [dg | du], g and u read from the saved [g | u].
-template <typename T, Activation Act>
+template <typename T>
 struct DgatedEpilogue {
   using A = acc_t<T>;
   using V = Vectorized<A>;
   const T* gate_up;
   T* d_gate_up;
   int64_t hidden;
+  Activation act;
   void operator()(int64_t i0, int64_t j0, int64_t m, int64_t n, const A* tile) const {
+    dispatch_activation(act, [&](auto tag) { rows<decltype(tag)::value>(i0, j0, m, n, tile); });
+  }
+  template <Activation Act>
+  void rows(int64_t i0, int64_t j0, int64_t m, int64_t n, const A* tile) const {
     constexpr int64_t NR = Blk<A>::kNR, kV = V::size();
     for (int64_t r = 0; r < m; ++r) {
       const T* g_row = gate_up + (i0 + r) * 2 * hidden + j0;
@@ -450,9 +483,10 @@ void column_sums(const Src& src, int64_t rows, int64_t cols, T* db) {
 constexpr double kPlainCost = 8.0, kActCost = 40.0;
 
 // ---- forward ---------------------------------------------------------------------------------
-template <typename T, Activation Act>
+template <typename T>
 void ffn_fwd_typed(const FfnArgs& a) {
   using A = acc_t<T>;
+  const Activation act = static_cast<Activation>(a.activation);
   const int64_t N = a.tokens, D = a.d_model, F = a.hidden;
   const PlainSource<T> x_src{a.x, {}};
   T* const hidden = static_cast<T*>(a.hidden_buf);
@@ -468,7 +502,7 @@ void ffn_fwd_typed(const FfnArgs& a) {
     const A* b_up = padded_param<T>(a.b_up, F, 2);
     const A* b_gate = b1 ? b1 : padded_param<T>(nullptr, F, 0);
     const InterleavedGateUp<A> cols{F};
-    const GatedEpilogue<T, Act> epi{hidden, F, b_gate, b_up, a.store_preactivation};
+    const GatedEpilogue<T> epi{hidden, F, b_gate, b_up, a.store_preactivation, act};
     gemm_packed<A>(N, 2 * round_up_to(F, Blk<A>::kNR / 2), D, kPlainCost, kPlainCost, pack_x,
                    [&](A* dst, int64_t k0, int64_t kc, int64_t j0, int64_t n) {
                      pack_b_cols(w_src, cols, dst, k0, kc, j0, n);
@@ -480,10 +514,10 @@ void ffn_fwd_typed(const FfnArgs& a) {
     };
     if (a.store_preactivation) {
       gemm_packed<A>(N, F, D, kPlainCost, kPlainCost, pack_x, pack_w,
-                     BiasEpilogue<T, Act, false>{hidden, F, b1, Dropout(a)});
+                     BiasEpilogue<T, false>{hidden, F, b1, Dropout(a)});
     } else {
       gemm_packed<A>(N, F, D, kPlainCost, kPlainCost, pack_x, pack_w,
-                     BiasEpilogue<T, Act, true>{hidden, F, b1, Dropout(a)});
+                     BiasEpilogue<T, true>{hidden, F, b1, Dropout(a), act});
     }
   }
 
@@ -492,7 +526,7 @@ void ffn_fwd_typed(const FfnArgs& a) {
   auto pack_w2t = [&](A* dst, int64_t k0, int64_t kc, int64_t j0, int64_t n) {
     pack_b_cols(w2_src, Identity{}, dst, k0, kc, j0, n);
   };
-  const BiasEpilogue<T, Activation::relu, false> out_epi{static_cast<T*>(a.y), D, b2, Dropout(a)};
+  const BiasEpilogue<T, false> out_epi{static_cast<T*>(a.y), D, b2, Dropout(a)};
   auto run = [&](const auto& h_src, double cost) {
     gemm_packed<A>(N, D, F, cost, kPlainCost,
                    [&](A* dst, int64_t i0, int64_t m, int64_t k0, int64_t kc) {
@@ -500,14 +534,15 @@ void ffn_fwd_typed(const FfnArgs& a) {
                    }, pack_w2t, out_epi);
   };
   if (!a.store_preactivation) run(PlainSource<T>{contiguous_view<T>(hidden, F), {}}, kPlainCost);
-  else if (a.gated) run(GatedSource<T, Act>{hidden, F}, kActCost);
-  else run(ActSource<T, Act>{hidden, F, Dropout(a)}, kActCost);
+  else if (a.gated) run(GatedSource<T>{hidden, F, act}, kActCost);
+  else run(ActSource<T>{hidden, F, act, Dropout(a)}, kActCost);
 }
 
 // ---- backward --------------------------------------------------------------------------------
-template <typename T, Activation Act>
+template <typename T>
 void ffn_bwd_typed(const FfnArgs& a) {
   using A = acc_t<T>;
+  const Activation act = static_cast<Activation>(a.activation);
   const int64_t N = a.tokens, D = a.d_model, F = a.hidden;
   const int64_t H = a.gated ? 2 * F : F;  // columns of saved / d_hidden
   const T* saved = static_cast<const T*>(a.saved);
@@ -529,8 +564,8 @@ void ffn_bwd_typed(const FfnArgs& a) {
                                         nullptr, D, F});
   };
   if (a.dw2 != nullptr) {
-    if (a.gated) dw2(GatedSource<T, Act>{saved, F});
-    else dw2(ActSource<T, Act>{saved, F, Dropout(a)});
+    if (a.gated) dw2(GatedSource<T>{saved, F, act});
+    else dw2(ActSource<T>{saved, F, act, Dropout(a)});
   } else if (a.db2 != nullptr) {
     column_sums(dy_src, N, D, static_cast<T*>(a.db2));
   }
@@ -549,10 +584,10 @@ void ffn_bwd_typed(const FfnArgs& a) {
   };
   if (a.gated) {
     gemm_packed<A>(N, F, D, kPlainCost, kPlainCost, pack_dy, pack_w2,
-                   DgatedEpilogue<T, Act>{saved, d_hidden, F});
+                   DgatedEpilogue<T>{saved, d_hidden, F, act});
   } else {
     gemm_packed<A>(N, F, D, kPlainCost, kPlainCost, pack_dy, pack_w2,
-                   DpreEpilogue<T, Act>{saved, d_hidden, F, Dropout(a)});
+                   DpreEpilogue<T>{saved, d_hidden, F, Dropout(a), act});
   }
   const PlainSource<T> dh_src{contiguous_view<T>(d_hidden, H), {}};
 
@@ -566,7 +601,7 @@ void ffn_bwd_typed(const FfnArgs& a) {
                    [&](A* dst, int64_t k0, int64_t kc, int64_t j0, int64_t n) {
                      pack_b_rows(w_src, D, dst, k0, kc, j0, n);
                    },
-                   BiasEpilogue<T, Activation::relu, false>{static_cast<T*>(a.dx), D, nullptr, Dropout(a)});
+                   BiasEpilogue<T, false>{static_cast<T*>(a.dx), D, nullptr, Dropout(a)});
   }
 
   // dW1 | db1 = d_hidden^T [x | 1]   (gated rows: [gate units ; up units])
@@ -589,29 +624,14 @@ void ffn_bwd_typed(const FfnArgs& a) {
   }
 }
 
-template <template <typename, Activation> class Kernel>
-void dispatch(const FfnArgs& a) {
-  dispatch_dtype(a.dtype, [&](auto type_tag) {
-    using T = decltype(type_tag);
-    dispatch_activation(static_cast<Activation>(a.activation), [&](auto act_tag) {
-      Kernel<T, decltype(act_tag)::value>::run(a);
-    });
-  });
-}
-
-template <typename T, Activation Act>
-struct FwdKernel {
-  static void run(const FfnArgs& a) { ffn_fwd_typed<T, Act>(a); }
-};
-template <typename T, Activation Act>
-struct BwdKernel {
-  static void run(const FfnArgs& a) { ffn_bwd_typed<T, Act>(a); }
-};
-
 }  // namespace
 
-void ffn_fwd(const FfnArgs& args) { dispatch<FwdKernel>(args); }
+void ffn_fwd(const FfnArgs& args) {
+  dispatch_dtype(args.dtype, [&](auto tag) { ffn_fwd_typed<decltype(tag)>(args); });
+}
 
-void ffn_bwd(const FfnArgs& args) { dispatch<BwdKernel>(args); }
+void ffn_bwd(const FfnArgs& args) {
+  dispatch_dtype(args.dtype, [&](auto tag) { ffn_bwd_typed<decltype(tag)>(args); });
+}
 
 }  // namespace fastformer::cpu::CPU_CAPABILITY
