@@ -9,10 +9,12 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <limits>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "cpu/cpu_kernels.h"
@@ -192,6 +194,18 @@ at::ScalarType stats_dtype(const Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// Releases the GIL around a kernel when this thread holds it: a call from Python does, the
+// autograd engine running a C++ node's backward (AddNormFunction) does not.
+class KernelGilRelease {
+ public:
+  KernelGilRelease() {
+    if (PyGILState_Check()) release_.emplace();
+  }
+
+ private:
+  std::optional<py::gil_scoped_release> release_;
+};
+
 // ---- add + norm -----------------------------------------------------------------------------
 std::vector<Tensor> add_norm_fwd(const Tensor& x, const optional<Tensor>& residual,
                                  const optional<Tensor>& weight, const optional<Tensor>& bias,
@@ -229,7 +243,7 @@ std::vector<Tensor> add_norm_fwd(const Tensor& x, const optional<Tensor>& residu
   a.mean = rms ? nullptr : mean.data_ptr();
   a.rstd = rstd.data_ptr();
   if (rows > 0) {
-    py::gil_scoped_release no_gil;
+    KernelGilRelease no_gil;
     kernels().add_norm_fwd(a);
   }
   return {y, res_out, mean, rstd};
@@ -283,10 +297,78 @@ std::vector<Tensor> add_norm_bwd(const Tensor& dy, const optional<Tensor>& dresi
   a.dweight = need_dweight ? dweight.data_ptr() : nullptr;
   a.dbias = need_dbias ? dbias.data_ptr() : nullptr;
   {
-    py::gil_scoped_release no_gil;
+    KernelGilRelease no_gil;
     kernels().add_norm_bwd(a);
   }
   return {dz, dweight, dbias};
+}
+
+// A gradient with a contiguous last dim (autograd may hand over an expanded, stride-0 one).
+Tensor rowwise(const Tensor& t) {
+  if (!t.defined() || t.dim() == 0 || t.stride(-1) == 1 || t.size(-1) <= 1) return t;
+  return t.contiguous();
+}
+
+optional<Tensor> defined_or_none(const Tensor& t) {
+  return t.defined() ? optional<Tensor>(t) : c10::nullopt;
+}
+
+// add + norm as a C++ autograd node: the eager route of ff.add_layer_norm / layer_norm /
+// rms_norm on the compiled backends (ops/norm.py). Same saved tensors, kernels and gradients as
+// the Python autograd.Function there (which the reference and Triton backends keep using);
+// what it removes is that Function's per-call Python cost, ~0.1-0.2 ms per forward+backward on
+// the 2-core VM: as much as the kernels themselves at (512, 768).
+struct AddNormFunction : public torch::autograd::Function<AddNormFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, Tensor x,
+                                                optional<Tensor> residual, optional<Tensor> weight,
+                                                optional<Tensor> bias, double eps, bool rms,
+                                                bool return_residual) {
+    std::vector<Tensor> out = add_norm_fwd(x, residual, weight, bias, eps, rms, return_residual);
+    const bool has_res = residual.has_value() && residual->defined();
+    const bool keeps_res_out = has_res && return_residual;
+    // z = x + residual is recomputed from what the caller keeps anyway: the returned residual
+    // stream, else x and residual.
+    const Tensor z_a = keeps_res_out ? out[1] : x;
+    const Tensor z_b = (has_res && !keeps_res_out) ? *residual : Tensor();
+    const Tensor w = weight.has_value() ? *weight : Tensor();
+    ctx->save_for_backward({z_a, z_b, w, out[2], out[3]});
+    const bool has_bias = bias.has_value() && bias->defined();
+    const Tensor& params = w.defined() ? w : (has_bias ? *bias : x);
+    ctx->saved_data["rms"] = rms;
+    ctx->saved_data["has_res"] = has_res;
+    ctx->saved_data["has_bias"] = has_bias;
+    ctx->saved_data["keeps_res_out"] = keeps_res_out;
+    ctx->saved_data["param_dtype"] = static_cast<int64_t>(to_dtype(params));
+    return {out[0], out[1]};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &z_a = saved[0], &z_b = saved[1], &weight = saved[2];
+    const bool has_res = ctx->saved_data["has_res"].toBool();
+    // needs_input_grad counts tensor inputs only (absent optional ones have no edge).
+    const int64_t weight_edge = has_res ? 2 : 1;
+    const int64_t bias_edge = weight_edge + (weight.defined() ? 1 : 0);
+    const bool need_dw = weight.defined() && ctx->needs_input_grad(weight_edge);
+    const bool need_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(bias_edge);
+    Tensor dres_out = grads[1];
+    if (dres_out.defined() && (!ctx->saved_data["keeps_res_out"].toBool() || dres_out.numel() == 0))
+      dres_out = Tensor();
+    std::vector<Tensor> g = add_norm_bwd(
+        rowwise(grads[0]), defined_or_none(rowwise(dres_out)), z_a, defined_or_none(z_b),
+        defined_or_none(weight), saved[3], saved[4], ctx->saved_data["rms"].toBool(), need_dw,
+        need_db, ctx->saved_data["param_dtype"].toInt());
+    return {g[0], has_res ? g[0] : Tensor(), need_dw ? g[1] : Tensor(),
+            need_db ? g[2] : Tensor(), Tensor(), Tensor(), Tensor()};
+  }
+};
+
+std::vector<Tensor> add_norm_autograd(const Tensor& x, const optional<Tensor>& residual,
+                                      const optional<Tensor>& weight,
+                                      const optional<Tensor>& bias, double eps, bool rms,
+                                      bool return_residual) {
+  return AddNormFunction::apply(x, residual, weight, bias, eps, rms, return_residual);
 }
 
 // ---- attention --------------------------------------------------------------------------------
@@ -522,6 +604,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("set_cpu_capability", &set_cpu_capability, "Select default|avx2|avx512 kernels (tests)");
   m.def("add_norm_fwd", &add_norm_fwd);
   m.def("add_norm_bwd", &add_norm_bwd);
+  m.def("add_norm_autograd", &add_norm_autograd, "add + norm with a C++ autograd node: [y, res_out]");
   m.def("attention_fwd", &attention_fwd);
   m.def("attention_bwd", &attention_bwd);
   m.def("rotary", &rotary);
