@@ -142,6 +142,33 @@ def test_philox_matches_reference_rng(harness):
         assert [int(w) for w in words] == expected.tolist(), f"seed {seed}"
 
 
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_batched_philox_matches_reference_rng(tmp_path, isa):
+    """cpu/philox_vec.h (what the CPU kernels draw dropout masks with) against reference/rng.py,
+    across runs whose low counter word wraps (the carry into the high word)."""
+    if CXX is None:
+        pytest.skip("no C++ compiler (c++/g++) on PATH to build tests/cpp/common_math_harness.cpp")
+    flags = []
+    if isa == "avx2":
+        if "avx2" not in torch.backends.cpu.get_cpu_capability().lower() and \
+                "avx512" not in torch.backends.cpu.get_cpu_capability().lower():
+            pytest.skip("this CPU has no AVX2 to run the vector Philox lanes on")
+        flags = ["-mavx2", "-DCPU_CAPABILITY=AVX2"]
+    exe = tmp_path / "harness"
+    subprocess.run([CXX, "-std=c++17", "-O1", *flags, "-I", str(ROOT / "csrc"),
+                    str(ROOT / "tests/cpp/common_math_harness.cpp"), "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    runs = [(0, 0, 37), (7, 2**32 - 13, 40), (2**62 - 1, 2**33 - 3, 17), (12345, 2**62 + 5, 64),
+            (1, 2**64 - 20, 19), (99, 1000, 1)]
+    commands = "\n".join(f"philox_run {seed} {base} {n}" for seed, base, n in runs) + "\n"
+    out = subprocess.run([str(exe)], input=commands, check=True, capture_output=True, text=True)
+    for (seed, base, n), line in zip(runs, out.stdout.splitlines()):
+        counters = torch.tensor([(base + j) % 2**64 - (2**64 if (base + j) % 2**64 >= 2**63 else 0)
+                                 for j in range(n)], dtype=torch.int64)
+        expected = rng.philox_words(counters, seed)
+        assert [int(w) for w in line.split()] == expected.tolist(), (seed, base, n)
+
+
 def test_dropout_threshold_matches_reference_rng(harness):
     ps = [0.0, 1e-9, 0.1, 0.25, 0.5, 0.9, 0.999999999]
     out = harness(*(f"threshold {p!r}" for p in ps))

@@ -13,6 +13,7 @@
 #include "common/philox.h"
 #include "cpu/cpu_kernels.h"
 #include "cpu/gemm.h"
+#include "cpu/philox_vec.h"
 #include "cpu/vec_utils.h"
 
 namespace fastformer::cpu::CPU_CAPABILITY {
@@ -275,8 +276,10 @@ template <typename A>
 inline void drop_row(const AttnArgs& a, A* p, int64_t b, int64_t h, int64_t qi, int64_t k0,
                      int64_t n_keys, uint32_t threshold) {
   const uint64_t base = a.offset + static_cast<uint64_t>(((b * a.H + h) * a.Lq + qi) * a.Lk + k0);
+  uint32_t words[kBlockK];
+  philox_words(base, a.seed, n_keys, words);
   for (int64_t j = 0; j < n_keys; ++j)
-    if (philox_word(base + j, a.seed) < threshold) p[j] = A(0);
+    if (words[j] < threshold) p[j] = A(0);
 }
 
 // Runs task(t) for t in [0, n) on all threads, handing out tasks one at a time: causal tiles

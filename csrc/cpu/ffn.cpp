@@ -49,6 +49,7 @@
 #include "common/philox.h"
 #include "cpu/cpu_kernels.h"
 #include "cpu/gemm_packed.h"
+#include "cpu/philox_vec.h"
 #include "cpu/vec_utils.h"
 
 // Vector activation math for activations.h (the scalar specializations live there).
@@ -130,7 +131,14 @@ struct Dropout {
   void apply(int64_t r, int64_t c0, int64_t n, A* v) const {
     const A scale = static_cast<A>(1.0 / (1.0 - p));
     const uint64_t base = offset + static_cast<uint64_t>(r * hidden + c0);
-    for (int64_t c = 0; c < n; ++c) v[c] = philox_word(base + c, seed) >= threshold ? v[c] * scale : A(0);
+    constexpr int64_t kChunk = 256;
+    uint32_t words[kChunk];
+    for (int64_t c_begin = 0; c_begin < n; c_begin += kChunk) {
+      const int64_t m = std::min(kChunk, n - c_begin);
+      philox_words(base + static_cast<uint64_t>(c_begin), seed, m, words);
+      A* chunk = v + c_begin;
+      for (int64_t c = 0; c < m; ++c) chunk[c] = words[c] >= threshold ? chunk[c] * scale : A(0);
+    }
   }
 };
 

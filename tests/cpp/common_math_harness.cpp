@@ -8,6 +8,8 @@
 //                                  online softmax over blocks of BLOCK scores (DOMAIN e: exp,
 //                                  2: exp2 with log2(e) folded in): lse out (out = sum_j p_j v_j)
 //   philox SEED N c_1..c_N         philox_word(c_i, SEED)
+//   philox_run SEED BASE N         words of base..base+N-1 from cpu/philox_vec.h's batched
+//                                  generator (its AVX2 lanes when compiled with -mavx2)
 //   threshold P                    dropout_threshold(P)
 //   welford N_CHUNKS len_1 x.. len_2 x.. ...   push each chunk, welford_merge the chunks:
 //                                  count mean m2
@@ -23,6 +25,10 @@
 #include "common/online_softmax.h"
 #include "common/philox.h"
 #include "common/welford.h"
+#ifndef CPU_CAPABILITY
+#define CPU_CAPABILITY DEFAULT
+#endif
+#include "cpu/philox_vec.h"
 
 using namespace fastformer;
 
@@ -166,6 +172,13 @@ int main() {
         std::cin >> c;
         printf("%u ", philox_word(c, seed));
       }
+    } else if (cmd == "philox_run") {
+      unsigned long long seed, base;
+      size_t n;
+      std::cin >> seed >> base >> n;
+      std::vector<uint32_t> words(n);
+      fastformer::cpu::CPU_CAPABILITY::philox_words(base, seed, static_cast<int64_t>(n), words.data());
+      for (uint32_t w : words) printf("%u ", w);
     } else if (cmd == "threshold") {
       double p;
       std::cin >> p;
