@@ -28,17 +28,33 @@ inline void philox_words(uint64_t base, uint64_t seed, int64_t n, uint32_t* word
   const __m256i mul1 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-  const uint32_t key0 = static_cast<uint32_t>(seed), key1 = static_cast<uint32_t>(seed >> 32);
+  // The round keys are the same for every run of counters.
+  __m256i round_key0[10], round_key1[10];
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < 10; ++round) {
+    round_key0[round] = _mm256_set1_epi32(static_cast<int>(k0));
+    round_key1[round] = _mm256_set1_epi32(static_cast<int>(k1));
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
   for (; j + 8 <= n; j += 8) {
     const uint64_t first = base + static_cast<uint64_t>(j);
     const __m256i first_lo = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(first)));
-    __m256i c0 = _mm256_add_epi32(first_lo, lane);
-    // wrapped (unsigned c0 < first_lo) -> -1, subtracted from the high word: +1
-    const __m256i wrapped = _mm256_cmpgt_epi32(_mm256_xor_si256(first_lo, sign), _mm256_xor_si256(c0, sign));
-    __m256i c1 = _mm256_sub_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(first >> 32))), wrapped);
-    __m256i c2 = _mm256_setzero_si256(), c3 = _mm256_setzero_si256();
-    uint32_t k0 = key0, k1 = key1;
-    for (int round = 0; round < 10; ++round) {
+    const __m256i counter_lo = _mm256_add_epi32(first_lo, lane);
+    // wrapped (unsigned counter_lo < first_lo) -> -1, subtracted from the high word: +1
+    const __m256i wrapped = _mm256_cmpgt_epi32(_mm256_xor_si256(first_lo, sign),
+                                               _mm256_xor_si256(counter_lo, sign));
+    const __m256i counter_hi = _mm256_sub_epi32(
+        _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(first >> 32))), wrapped);
+    // Round 0 with c2 = c3 = 0: the products by c2 vanish.
+    const __m256i q_even = _mm256_mul_epu32(mul1, counter_lo);
+    const __m256i q_odd = _mm256_mul_epu32(mul1, _mm256_srli_epi64(counter_lo, 32));
+    __m256i c0 = _mm256_xor_si256(counter_hi, round_key0[0]);
+    __m256i c1 = _mm256_setzero_si256();
+    __m256i c2 = _mm256_xor_si256(_mm256_blend_epi32(_mm256_srli_epi64(q_even, 32), q_odd, 0xAA),
+                                  round_key1[0]);
+    __m256i c3 = _mm256_blend_epi32(q_even, _mm256_slli_epi64(q_odd, 32), 0xAA);
+    for (int round = 1; round < 10; ++round) {
       const __m256i p0_even = _mm256_mul_epu32(mul0, c2);
       const __m256i p0_odd = _mm256_mul_epu32(mul0, _mm256_srli_epi64(c2, 32));
       const __m256i p1_even = _mm256_mul_epu32(mul1, c0);
@@ -47,12 +63,10 @@ inline void philox_words(uint64_t base, uint64_t seed, int64_t n, uint32_t* word
       const __m256i lo0 = _mm256_blend_epi32(p0_even, _mm256_slli_epi64(p0_odd, 32), 0xAA);
       const __m256i hi1 = _mm256_blend_epi32(_mm256_srli_epi64(p1_even, 32), p1_odd, 0xAA);
       const __m256i lo1 = _mm256_blend_epi32(p1_even, _mm256_slli_epi64(p1_odd, 32), 0xAA);
-      c0 = _mm256_xor_si256(_mm256_xor_si256(hi0, c1), _mm256_set1_epi32(static_cast<int>(k0)));
-      c2 = _mm256_xor_si256(_mm256_xor_si256(hi1, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+      c0 = _mm256_xor_si256(_mm256_xor_si256(hi0, c1), round_key0[round]);
+      c2 = _mm256_xor_si256(_mm256_xor_si256(hi1, c3), round_key1[round]);
       c1 = lo0;
       c3 = lo1;
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + j), c0);
   }
