@@ -32,11 +32,12 @@
 // an ActMath specialization for at::vec::Vectorized.
 //
 // Why not at::mm (the suggestion): on this machine (2-core Zen 3, AVX2, no AVX-512 or
-// AMX) torch's fp32 GEMM is MKL's, which runs its non-AVX-512 path at 60-75 GFLOP/s for both
-// cores, and its bf16 GEMM has no fast path at all (~1 GFLOP/s: bf16 inputs would have to be
-// converted to fp32 copies first). The packed micro-kernel route converts while packing and
-// measured faster in fp32 too; numbers in the table below.
-//
+// AMX) torch's bf16 GEMM has no fast path (1-15 GFLOP/s: bf16 inputs would need fp32 copies
+// first), while the packed route converts while packing. In fp32 MKL's GEMM is the faster
+// engine here: 87-95 GFLOP/s against 80-90 for gemm_packed.h on (4096 x 512) x (512 x 2048)
+// (both near what 2 loaded vCPUs sustain, ~120 GFLOP/s for an L1-resident micro-kernel), so
+// the fp32 FFN matches eager rather than beating it; its gains are the memory it does not
+// save and the dropout it fuses.
 // Measured (2 threads, fp32, machine shared with other jobs: interleaved medians):
 //   see README.md's FFN table and the ffn suite of fastformer-bench.
 #include <ATen/Parallel.h>
