@@ -273,12 +273,13 @@ add_norm_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
 class _AddNormFunction(torch.autograd.Function):
-    """Eager route: same implementations as the custom ops, fewer dispatcher round trips."""
+    """Eager route of the Python-launched backends (reference, Triton): same implementations
+    as the custom ops, fewer dispatcher round trips. `backend` is the one _add_norm selected."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, rms, return_residual):
-        backend, (y, res_out, mean, rstd) = _fwd_impl(x, residual, weight, bias, eps, rms,
-                                                      return_residual)
+    def forward(ctx, x, residual, weight, bias, eps, rms, return_residual, backend):
+        y, res_out, mean, rstd = backend.impls["add_norm"].fwd(x, residual, weight, bias, eps,
+                                                              rms, return_residual)
         _save(ctx, x, residual, weight, bias, rms, return_residual, res_out, mean, rstd, backend)
         ctx.dispatch = backends.last_dispatch()
         ctx.mark_non_differentiable(mean, rstd)
@@ -289,7 +290,7 @@ class _AddNormFunction(torch.autograd.Function):
         # The forward's backend runs the backward (it was selected, and validated, for the
         # same tensors); no second selection.
         backends.record(ctx.dispatch)
-        return _grads(ctx, dy, dres_out, ctx.backend.impls["add_norm"].bwd)
+        return _grads(ctx, dy, dres_out, ctx.backend.impls["add_norm"].bwd) + (None,)
 
 
 # ---- public API ---------------------------------------------------------------------------
@@ -345,7 +346,7 @@ def _add_norm(x, residual, weight, bias, eps, rms, return_residual):
                                                   return_residual)
         else:
             y, res_out = _AddNormFunction.apply(x, residual, weight, bias, eps, rms,
-                                                return_residual)
+                                                return_residual, chosen)
     else:
         _, (y, res_out, _, _) = _fwd_impl(x, residual, weight, bias, eps, rms, return_residual)
     if not return_residual:
