@@ -117,16 +117,23 @@ void attention_bwd_typed(const AttnArgs& a) {
         for (int64_t q0 = first_q / kBlockQ * kBlockQ; q0 < sh.Lq; q0 += kBlockQ) {
           const int64_t n_q = std::min(kBlockQ, sh.Lq - q0);
           const bool diagonal = sh.diagonal(a, q0, kb);
+          // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in all five GEMMs.
+          const Band cols_band = sh.band(a, q0, kb, Band::kColsUpTo);
           tile_gemm<A>(n_q, sh.Bk_pad, sh.D, q_f + q0 * sh.D_pad, sh.D_pad, 1,
-                       pk.kt_block(bhkv, kb, sh), NR, sh.D * NR, p_tile, s_ld, false);
+                       pk.kt_block(bhkv, kb, sh), NR, sh.D * NR, p_tile, s_ld, false, cols_band);
           tile_gemm<A>(n_q, sh.Bk_pad, sh.Dv, do_f + q0 * sh.Dv_pad, sh.Dv_pad, 1,
-                       pk.vt_block(bhkv, kb, sh), NR, sh.Dv * NR, ds_tile, s_ld, false);
+                       pk.vt_block(bhkv, kb, sh), NR, sh.Dv * NR, ds_tile, s_ld, false, cols_band);
           for (int64_t i = 0; i < n_q; ++i) {
             A* p = p_tile + i * s_ld;
             A* ds = ds_tile + i * s_ld;
             score_row(a, sh, p, score_mul, b, h, q0 + i, k0, n_keys, diagonal, bias);
             exp2_row(p, sh.Bk_pad, lse_h[q0 + i] * static_cast<A>(kLog2e));  // P = exp(s - lse)
             const V delta_v(delta_h[q0 + i]);
+            if (diagonal) {
+              // Entries past the row's last allowed key may be unwritten: dS (and P) there are 0.
+              const int64_t live = round_up_to(std::clamp<int64_t>(i + cols_band.diag + 1, 0, sh.Bk_pad), kV);
+              std::fill(ds + live, ds + sh.Bk_pad, A(0));
+            }
             if (threshold) {
               // dS = P (dP keep/(1-p) - delta); dV uses P' = P keep/(1-p)
               A* pd = pd_tile + i * s_ld;
@@ -147,12 +154,14 @@ void attention_bwd_typed(const AttnArgs& a) {
             }
           }
           // dV += P'^T dO, dK += dS^T Q (transposed views of the tiles), dQ += dS K.
+          const Band keys_band = sh.band(a, q0, kb, Band::kInnerFrom);
+          const Band inner_band = sh.band(a, q0, kb, Band::kInnerUpTo);
           tile_gemm<A>(n_keys, sh.Dv, n_q, pd_tile, 1, s_ld, do_p + q0 * NR, NR, q_rows * NR,
-                       dv_blk, sh.Dv_pad, true);
+                       dv_blk, sh.Dv_pad, true, keys_band);
           tile_gemm<A>(n_keys, sh.D, n_q, ds_tile, 1, s_ld, q_p + q0 * NR, NR, q_rows * NR,
-                       dk_blk, sh.D_pad, true);
+                       dk_blk, sh.D_pad, true, keys_band);
           tile_gemm<A>(n_q, sh.D, n_keys, ds_tile, s_ld, 1, pk.kp_keys(bhkv, k0), NR,
-                       sh.Lk_pad * NR, dq + q0 * sh.D_pad, sh.D_pad, true);
+                       sh.Lk_pad * NR, dq + q0 * sh.D_pad, sh.D_pad, true, inner_band);
         }
       }
     }

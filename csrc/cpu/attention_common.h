@@ -58,6 +58,12 @@ struct Shape {
   bool diagonal(const AttnArgs& a, int64_t q0, int64_t kb) const {
     return a.causal && (kb + 1) * kBlockK - 1 > q0 + causal_shift;
   }
+  // The tile's causal band for tile_gemm: local key j is allowed for local query i iff
+  // j <= i + diag. No band (full tile) off the diagonal.
+  Band band(const AttnArgs& a, int64_t q0, int64_t kb, Band::Kind kind) const {
+    if (!diagonal(a, q0, kb)) return {};
+    return {kind, q0 + causal_shift - kb * kBlockK};
+  }
 };
 
 // Element (b, h, l, 0) of a view.
@@ -213,7 +219,11 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
   // Additive bias row: float mask, and -inf for excluded keys. Built only when needed.
   bool has_bias = n_keys < sh.Bk_pad;
   int64_t allowed_end = n_keys;  // keys j >= allowed_end are excluded (tail or causal)
-  if (diagonal) allowed_end = std::clamp<int64_t>(qi + sh.causal_shift - k0 + 1, 0, n_keys);
+  if (diagonal) {
+    allowed_end = std::clamp<int64_t>(qi + sh.causal_shift - k0 + 1, 0, n_keys);
+    // The causal tile GEMMs (Band::kColsUpTo) may have left entries past allowed_end unwritten.
+    std::fill(s + allowed_end, s + sh.Bk_pad, A(0));
+  }
   has_bias |= allowed_end < n_keys || a.key_padding_mask || a.attn_mask.ptr;
   if (has_bias) {
     std::fill(bias, bias + allowed_end, A(0));

@@ -68,8 +68,9 @@ void attention_fwd_typed(const AttnArgs& a) {
     const int64_t kb_end = sh.kb_end(a, q0 + n_q);
     for (int64_t kb = 0; kb < kb_end; ++kb) {
       const int64_t k0 = kb * kBlockK, n_keys = std::min(kBlockK, sh.Lk - k0);
+      // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in both GEMMs.
       tile_gemm<A>(n_q, sh.Bk_pad, sh.D, q_tile, sh.D_pad, 1, pk.kt_block(bh_kv, kb, sh), NR,
-                   sh.D * NR, s_tile, s_ld, false);
+                   sh.D * NR, s_tile, s_ld, false, sh.band(a, q0, kb, Band::kColsUpTo));
       const bool diagonal = sh.diagonal(a, q0, kb);
       for (int64_t i = 0; i < n_q; ++i) {
         A* s = s_tile + i * s_ld;
@@ -87,7 +88,7 @@ void attention_fwd_typed(const AttnArgs& a) {
         }
       }
       tile_gemm<A>(n_q, sh.Dv, n_keys, s_tile, s_ld, 1, pk.vp_keys(bh_kv, k0), NR,
-                   sh.Lk_pad * NR, acc, sh.Dv_pad, true);
+                   sh.Lk_pad * NR, acc, sh.Dv_pad, true, sh.band(a, q0, kb, Band::kInnerUpTo));
     }
 
     for (int64_t i = 0; i < n_q; ++i) {

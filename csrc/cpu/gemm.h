@@ -88,6 +88,19 @@ inline void micro_kernel(int64_t K, const A* __restrict a, int64_t a_row, int64_
   }
 }
 
+// Causal structure of a tile, in tile-local indices: row i of C may use index t only when
+//   kColsUpTo:  t = column of C,  t <= i + diag   (S = Q K^T, dP = dO V^T: rows are queries)
+//   kInnerUpTo: t = inner index,  t <= i + diag   (O += P V, dQ += dS K: inner index is the key)
+//   kInnerFrom: t = inner index,  t >= i - diag   (dV += P^T dO, dK += dS^T Q: rows are keys)
+// tile_gemm skips micro-tiles / inner ranges that only touch excluded pairs, at micro-tile
+// granularity (MR rows, NR columns): callers must make the excluded entries of the A operand
+// zero, and treat skipped C entries (kColsUpTo only: always excluded ones) as unwritten.
+struct Band {
+  enum Kind { kNone, kColsUpTo, kInnerUpTo, kInnerFrom };
+  Kind kind = kNone;
+  int64_t diag = 0;
+};
+
 // C[M x N] (+)= A[M x K] * B[K x N] by micro-tiles, B in NR-column panels:
 //   B element (k, j) at b[(j / NR) * b_panel + k * ldb + j % NR].
 // A row-major B is b_panel = NR, ldb = row length; a packed B (panel-major, every panel K x NR
@@ -98,15 +111,21 @@ inline void micro_kernel(int64_t K, const A* __restrict a, int64_t a_row, int64_
 // of MR); B needs full NR-wide panels.
 template <typename A>
 inline void tile_gemm(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_row, int64_t a_col,
-                      const A* b, int64_t ldb, int64_t b_panel, A* c, int64_t ldc, bool accumulate) {
+                      const A* b, int64_t ldb, int64_t b_panel, A* c, int64_t ldc, bool accumulate,
+                      Band band = {}) {
   constexpr int MR = MicroShape<A>::kMR;
   constexpr int NR = MicroShape<A>::kNR;
   for (int64_t j = 0; j < N; j += NR) {
     const int64_t n = std::min<int64_t>(NR, N - j);
     const A* b_j = b + (j / NR) * b_panel;
-    for (int64_t i = 0; i < M; i += MR) {
-      micro_kernel<A>(K, a + i * a_row, a_row, a_col, b_j, ldb, c + i * ldc + j, ldc,
-                      std::min<int64_t>(MR, M - i), n, accumulate);
+    // kColsUpTo: rows above j - diag use none of the panel's columns.
+    const int64_t i_begin = band.kind == Band::kColsUpTo ? std::max<int64_t>(0, j - band.diag) / MR * MR : 0;
+    for (int64_t i = i_begin; i < M; i += MR) {
+      int64_t k_lo = 0, k_hi = K;
+      if (band.kind == Band::kInnerUpTo) k_hi = std::clamp<int64_t>(i + MR + band.diag, 0, K);
+      if (band.kind == Band::kInnerFrom) k_lo = std::clamp<int64_t>(i - band.diag, 0, K);
+      micro_kernel<A>(k_hi - k_lo, a + i * a_row + k_lo * a_col, a_row, a_col, b_j + k_lo * ldb, ldb,
+                      c + i * ldc + j, ldc, std::min<int64_t>(MR, M - i), n, accumulate);
     }
   }
 }
