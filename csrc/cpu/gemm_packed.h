@@ -84,6 +84,7 @@ inline void packed_micro_kernel(int64_t kc, const A* __restrict a, const A* __re
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) acc[i][v] = V(A(0));
+#pragma GCC unroll 4  // measured +6-12% in the 2-thread GEMM (loop overhead, scheduling)
   for (int64_t k = 0; k < kc; ++k) {
     V b_vec[NV];
 #pragma GCC unroll 4
