@@ -29,7 +29,10 @@ from .common import Row, max_abs_err
 # (tokens, d_model, dim_feedforward, activation, gated)
 SHAPES = [(4096, 768, 3072, "relu", False), (4096, 768, 3072, "gelu", False),
           (8192, 1024, 4096, "gelu", False), (2048, 4096, 11008, "silu", True)]
-BUDGET_S = float(os.environ.get("FASTFORMER_BENCH_BUDGET_S", "20"))
+# 40 s: eager fp32 SwiGLU forward+backward at the gated shape (~20 s/call here, estimated 24 s
+# from the small calibration GEMM) is an acceptance baseline and must run; eager bf16 (minutes
+# at ~1 GFLOP/s) is still skipped.
+BUDGET_S = float(os.environ.get("FASTFORMER_BENCH_BUDGET_S", "40"))
 CALIBRATION = (256, 256, 1024)
 ERR_TOKENS = 256
 _ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
