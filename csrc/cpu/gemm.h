@@ -49,6 +49,15 @@ inline void micro_kernel(int64_t K, const A* __restrict a, int64_t a_row, int64_
   constexpr int MR = MicroShape<A>::kMR;
   constexpr int NV = MicroShape<A>::kNV;
   constexpr int64_t kV = V::size();
+  // Accumulating tiles (dK, dV blocks of 64 KB at D = 128, dQ rows) sit in L2: fetch their
+  // lines now so the misses overlap the K loop instead of stalling the final loads.
+  if (accumulate) {
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      __builtin_prefetch(c + i * ldc, 1, 3);
+      __builtin_prefetch(c + i * ldc + NV * kV - 1, 1, 3);
+    }
+  }
   V acc[MR][NV];
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
