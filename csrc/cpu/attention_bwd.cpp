@@ -8,7 +8,8 @@
 //     dV += P'^T dO                   dS = P (dP' - delta)
 //     dK += dS^T Q                    dQ += dS K              (scale applied once at the end)
 // Five micro-kernel GEMMs per tile (2.5x the forward's flops), P^T and dS^T read as transposed
-// views (no transposition copies).
+// views (no transposition copies). Causal: tiles above the diagonal are never visited, and in
+// tiles the diagonal cuts every GEMM skips the micro-tiles / inner ranges wholly above it.
 //
 // Parallelism: tasks are (batch, kv head, key chunk). A task owns dK and dV of its keys for all
 // the query heads of its kv head (GQA sums need no atomics) and walks every query block that

@@ -4,7 +4,8 @@
 // panels (attention_common.h), in parallel: one read of K and V. Tasks are (batch, head,
 // 64-query block), handed out dynamically (causal tiles differ in cost).
 // Per task: Q block -> fp32 tile; row_max = -inf, row_sum = 0, acc = 0; for each key block the
-// queries can see (blocks above the causal diagonal are skipped, not masked):
+// queries can see (blocks above the causal diagonal are skipped, not masked; inside a tile the
+// diagonal cuts, the GEMMs skip the 6 x 16 micro-tiles wholly above it, see Band in gemm.h):
 //   S = Q_tile K^T_block                       micro-kernel GEMM, 2*64*128*D flops
 //   s = S + log2(e) * float mask, -inf where masked (Q was prescaled by scale * log2(e), so s
 //   is in log2 units); online softmax update (common/online_softmax.h)

@@ -33,11 +33,11 @@
 //
 // Why not at::mm (the suggestion): on this machine (2-core Zen 3, AVX2, no AVX-512 or
 // AMX) torch's bf16 GEMM has no fast path (1-15 GFLOP/s: bf16 inputs would need fp32 copies
-// first), while the packed route converts while packing. In fp32 MKL's GEMM is the faster
-// engine here: 87-95 GFLOP/s against 80-90 for gemm_packed.h on (4096 x 512) x (512 x 2048)
-// (both near what 2 loaded vCPUs sustain, ~120 GFLOP/s for an L1-resident micro-kernel), so
-// the fp32 FFN matches eager rather than beating it; its gains are the memory it does not
-// save and the dropout it fuses.
+// first), while the packed route converts while packing. In fp32 MKL was ~10% faster until the
+// packed micro-kernel prefetched its partial-sum tile and unrolled its k loop (gemm_packed.h);
+// since then the packed GEMM measures at or above torch.mm on these shapes (harness, 2 threads,
+// (4096 x 768) x (768 x 3072): median 113-132 GFLOP/s vs torch.mm ~97), so the fused fp32 FFN
+// is no longer behind eager; its margin is the memory passes and allocations it avoids.
 // Measured (2 threads, fp32, machine shared with other jobs: interleaved medians):
 //   see README.md's FFN table and the ffn suite of fastformer-bench.
 #include <ATen/Parallel.h>
