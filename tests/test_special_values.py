@@ -93,7 +93,6 @@ def test_causal_tiles_ignore_stale_scratch(causal, lq, lk):
     ref = [t.double().requires_grad_(True) for t in (q, k, v)]
     expected = oracle_attention(*ref, causal=causal)
     expected_grads = torch.autograd.grad(expected, ref, go.double())
-    fully_masked = causal == "bottom_right" and lq > lk  # rows with no key: zeros, like the oracle
     for ours, exp in zip((out, *grads), (expected, *expected_grads)):
-        assert torch.isfinite(ours).all(), f"non-finite values with causal={causal}, masked rows={fully_masked}"
+        assert torch.isfinite(ours).all(), f"non-finite values with causal={causal}"
         torch.testing.assert_close(ours.double(), exp, atol=1e-5, rtol=1e-5)

@@ -132,7 +132,7 @@ void attention_bwd_typed(const AttnArgs& a) {
             const V delta_v(delta_h[q0 + i]);
             if (diagonal) {
               // Entries past the row's last allowed key may be unwritten: dS (and P) there are 0.
-              const int64_t live = round_up_to(std::clamp<int64_t>(i + cols_band.diag + 1, 0, sh.Bk_pad), kV);
+              const int64_t live = round_up_to(sh.causal_end(q0 + i, k0, sh.Bk_pad), kV);
               std::fill(ds + live, ds + sh.Bk_pad, A(0));
             }
             if (threshold) {

@@ -58,6 +58,10 @@ struct Shape {
   bool diagonal(const AttnArgs& a, int64_t q0, int64_t kb) const {
     return a.causal && (kb + 1) * kBlockK - 1 > q0 + causal_shift;
   }
+  // One past the last key of [k0, k0 + n_keys) that causality lets query qi see (0 if none).
+  int64_t causal_end(int64_t qi, int64_t k0, int64_t n_keys) const {
+    return std::clamp<int64_t>(qi + causal_shift - k0 + 1, 0, n_keys);
+  }
   // The tile's causal band for tile_gemm: local key j is allowed for local query i iff
   // j <= i + diag. No band (full tile) off the diagonal.
   Band band(const AttnArgs& a, int64_t q0, int64_t kb, Band::Kind kind) const {
@@ -220,7 +224,7 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
   bool has_bias = n_keys < sh.Bk_pad;
   int64_t allowed_end = n_keys;  // keys j >= allowed_end are excluded (tail or causal)
   if (diagonal) {
-    allowed_end = std::clamp<int64_t>(qi + sh.causal_shift - k0 + 1, 0, n_keys);
+    allowed_end = sh.causal_end(qi, k0, n_keys);
     // The causal tile GEMMs (Band::kColsUpTo) may have left entries past allowed_end unwritten.
     std::fill(s + allowed_end, s + sh.Bk_pad, A(0));
   }
