@@ -250,22 +250,33 @@ void pack_b_rows(const Src& src, int64_t n_src, A* dst, int64_t k0, int64_t kc, 
 }
 
 // op(B)[k][j] = S(source_row(j), k): a transposed source (weights as W^T); source_row(j) < 0
-// is a zero column.
+// is a zero column. Each panel's NR source rows are staged (kc contiguous values each) and
+// written with 8 x 8 register transposes. Writing the panel one column at a time (stride NR)
+// cost ~1.5 ns per element, the staged transpose ~1.05 (fp32, a (11008 x 4096) W, one
+// thread); GEMM1 at (4096, 768, 3072), 2 threads, 20 alternating pairs: median 187 -> 181 ms.
 template <typename A, class Src, class RowOf>
 void pack_b_cols(const Src& src, const RowOf& source_row, A* dst, int64_t k0, int64_t kc,
                  int64_t j0, int64_t n) {
-  constexpr int64_t NR = Blk<A>::kNR;
-  A* const buf = segment_buffer<A>();
+  constexpr int64_t NR = Blk<A>::kNR, kT = 8;
+  static_assert(NR % kT == 0, "panels are whole 8 x 8 blocks wide");
+  const int64_t ld_stage = round_up_to(kc, kT) + Blk<A>::kNR;  // + the vector tail of load()
+  A* const stage = thread_scratch<A, 67>(NR * (Blk<A>::kKC + 2 * Blk<A>::kNR));
   const int64_t width = round_up_to(n, NR);
-  for (int64_t jj = 0; jj < width; ++jj) {
-    A* out = dst + (jj / NR) * kc * NR + jj % NR;
-    const int64_t r = jj < n ? source_row(j0 + jj) : -1;
-    if (r >= 0) {
-      src.load(r, k0, kc, buf);
-      for (int64_t k = 0; k < kc; ++k) out[k * NR] = buf[k];
-    } else {
-      for (int64_t k = 0; k < kc; ++k) out[k * NR] = A(0);
+  for (int64_t q = 0; q * NR < width; ++q) {
+    for (int64_t c = 0; c < NR; ++c) {
+      A* row = stage + c * ld_stage;
+      const int64_t j = q * NR + c;
+      const int64_t r = j < n ? source_row(j0 + j) : -1;
+      if (r >= 0) src.load(r, k0, kc, row);
+      else std::fill(row, row + kc, A(0));
     }
+    A* panel = dst + q * kc * NR;
+    int64_t k = 0;
+    for (; k + kT <= kc; k += kT)
+      for (int64_t c = 0; c < NR; c += kT)
+        at::vec::transpose_mxn<A, kT, kT>(stage + c * ld_stage + k, ld_stage, panel + k * NR + c, NR);
+    for (; k < kc; ++k)
+      for (int64_t c = 0; c < NR; ++c) panel[k * NR + c] = stage[c * ld_stage + k];
   }
 }
 
