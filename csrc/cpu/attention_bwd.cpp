@@ -17,8 +17,8 @@
 // every key chunk, so each chunk writes its own fp32 dQ partial, summed in chunk order at the
 // end. The chunk count depends on the shape only (not on the thread count): results are
 // bitwise identical for any number of threads.
-// Memory: K^T, V^T, K (fp32, packed once); per task Q and dO of one head in fp32 (row-major
-// for the A operands, column panels for the B operands) and dK,
+// Memory: K^T, V^T, K (fp32, packed once); per task Q and dO of one head in fp32 (MR-row
+// panels for the A operands, column panels for the B operands) and dK,
 // dV accumulators of its keys; dQ partials (chunks x B x H x Lq x D fp32; one chunk unless
 // B * Hkv < kMinTasks).
 #include <vector>
@@ -77,8 +77,12 @@ void attention_bwd_typed(const AttnArgs& a) {
     if (kb0 >= kb1) return;
     const int64_t key0 = kb0 * kBlockK, n_chunk_keys = std::min(sh.Lk, kb1 * kBlockK) - key0;
     const int64_t q_rows = sh.Lq + kRowSlack;
-    A* const q_f = thread_scratch<A, 25>(q_rows * sh.D_pad);    // Q, row-major (A operand)
-    A* const do_f = thread_scratch<A, 26>(q_rows * sh.Dv_pad);  // dO, row-major
+    constexpr int64_t MR = MicroShape<A>::kMR;
+    const int64_t q_pk_block = kQBlockRows<A> * sh.D, do_pk_block = kQBlockRows<A> * sh.Dv;
+    A* const q_pk = thread_scratch<A, 25>(sh.n_qb * q_pk_block);    // Q, MR-row panels (A operand)
+    A* const do_pk = thread_scratch<A, 26>(sh.n_qb * do_pk_block);  // dO, MR-row panels
+    A* const q_i = thread_scratch<A, 35>(sh.D_pad);
+    A* const do_i = thread_scratch<A, 36>(sh.Dv_pad);
     A* const q_p = thread_scratch<A, 33>(q_rows * sh.D_pad);    // Q, column panels (B operand)
     A* const do_p = thread_scratch<A, 34>(q_rows * sh.Dv_pad);  // dO, column panels
     A* const dk_acc = thread_scratch<A, 27>((n_chunk_keys + kRowSlack) * sh.D_pad);
@@ -92,9 +96,9 @@ void attention_bwd_typed(const AttnArgs& a) {
 
     for (int64_t g = 0; g < sh.G; ++g) {
       const int64_t h = hkv * sh.G + g;
+      std::fill(q_pk, q_pk + sh.n_qb * q_pk_block, A(0));
+      std::fill(do_pk, do_pk + sh.n_qb * do_pk_block, A(0));
       for (int64_t i = 0; i < q_rows; ++i) {
-        A* q_i = q_f + i * sh.D_pad;
-        A* do_i = do_f + i * sh.Dv_pad;
         if (i < sh.Lq) {
           load_row(row_ptr<T>(a.q, b, h, i), sh.D, sh.D_pad, q_i);
           load_row(row_ptr<T>(a.dout, b, h, i), sh.Dv, sh.Dv_pad, do_i);
@@ -104,6 +108,10 @@ void attention_bwd_typed(const AttnArgs& a) {
         }
         put_row_panels(q_p, q_rows, i, q_i, sh.D_pad);
         put_row_panels(do_p, q_rows, i, do_i, sh.Dv_pad);
+        if (i < sh.Lq) {
+          put_row_mr_panels(q_pk + (i / kBlockQ) * q_pk_block, i % kBlockQ, q_i, sh.D);
+          put_row_mr_panels(do_pk + (i / kBlockQ) * do_pk_block, i % kBlockQ, do_i, sh.Dv);
+        }
       }
       A* const dq = dq_part + (chunk * sh.B * sh.H + b * sh.H + h) * dq_head;
       const A* lse_h = lse + (b * sh.H + h) * sh.Lq;
@@ -120,10 +128,11 @@ void attention_bwd_typed(const AttnArgs& a) {
           const bool diagonal = sh.diagonal(a, q0, kb);
           // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in all five GEMMs.
           const Band cols_band = sh.band(a, q0, kb, Band::kColsUpTo);
-          tile_gemm<A>(n_q, sh.Bk_pad, sh.D, q_f + q0 * sh.D_pad, sh.D_pad, 1,
-                       pk.kt_block(bhkv, kb, sh), NR, sh.D * NR, p_tile, s_ld, false, cols_band);
-          tile_gemm<A>(n_q, sh.Bk_pad, sh.Dv, do_f + q0 * sh.Dv_pad, sh.Dv_pad, 1,
-                       pk.vt_block(bhkv, kb, sh), NR, sh.Dv * NR, ds_tile, s_ld, false, cols_band);
+          const int64_t qb = q0 / kBlockQ;
+          tile_gemm<A>(n_q, sh.Bk_pad, sh.D, q_pk + qb * q_pk_block, 1, MR, pk.kt_block(bhkv, kb, sh),
+                       NR, sh.D * NR, p_tile, s_ld, false, cols_band, sh.D * MR);
+          tile_gemm<A>(n_q, sh.Bk_pad, sh.Dv, do_pk + qb * do_pk_block, 1, MR, pk.vt_block(bhkv, kb, sh),
+                       NR, sh.Dv * NR, ds_tile, s_ld, false, cols_band, sh.Dv * MR);
           for (int64_t i = 0; i < n_q; ++i) {
             A* p = p_tile + i * s_ld;
             A* ds = ds_tile + i * s_ld;

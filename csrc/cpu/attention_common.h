@@ -128,6 +128,22 @@ inline void put_row_panels(A* dst, int64_t rows, int64_t key, const A* row, int6
   for (int64_t c = 0; c < n_pad; c += NR) std::copy(row + c, row + c + NR, dst + (c / NR) * rows * NR + key * NR);
 }
 
+// A operands reused by many tiles (Q, dO: every key block of a head reads them) are packed in
+// MR-row panels, each panel K x MR contiguous: element (r, k) at (r / MR) * K * MR + k * MR + r % MR.
+// The micro-kernel's MR broadcasts of one k are then one 24-byte read and a tile GEMM streams
+// the operand sequentially (row-major, they were MR streams 256-512 bytes apart). tile_gemm
+// reads it with a_row = 1, a_col = MR, a_panel = K * MR. Query blocks are packed separately,
+// kQBlockRows rows each (kBlockQ rounded up to MR, the padding rows zero).
+template <typename A>
+constexpr int64_t kQBlockRows = (kBlockQ + MicroShape<A>::kMR - 1) / MicroShape<A>::kMR * MicroShape<A>::kMR;
+
+template <typename A>
+inline void put_row_mr_panels(A* dst, int64_t r, const A* row, int64_t K) {
+  constexpr int64_t MR = MicroShape<A>::kMR;
+  A* d = dst + (r / MR) * K * MR + r % MR;
+  for (int64_t k = 0; k < K; ++k) d[k * MR] = row[k];
+}
+
 template <typename T, typename A>
 void pack_kv(const AttnArgs& a, const Shape<A>& sh, const Packed<A>& pk) {
   constexpr int64_t NR = MicroShape<A>::kNR;

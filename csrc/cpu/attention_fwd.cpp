@@ -3,9 +3,10 @@
 // Setup: K is packed once per (batch, kv head) into fp32 K^T blocks and V into fp32 column
 // panels (attention_common.h), in parallel: one read of K and V. Tasks are (batch, head,
 // 64-query block), handed out dynamically (causal tiles differ in cost).
-// Per task: Q block -> fp32 tile; row_max = -inf, row_sum = 0, acc = 0; for each key block the
-// queries can see (blocks above the causal diagonal are skipped, not masked; inside a tile the
-// diagonal cuts, the GEMMs skip the 6 x 16 micro-tiles wholly above it, see Band in gemm.h):
+// Per task: Q block -> fp32 tile in MR-row panels (the S GEMM streams it sequentially);
+// row_max = -inf, row_sum = 0, acc = 0; for each key block the queries can see (blocks above
+// the causal diagonal are skipped, not masked; inside a tile the diagonal cuts, the GEMMs skip
+// the 6 x 16 micro-tiles wholly above it, see Band in gemm.h):
 //   S = Q_tile K^T_block                       micro-kernel GEMM, 2*64*128*D flops
 //   s = S + log2(e) * float mask, -inf where masked (Q was prescaled by scale * log2(e), so s
 //   is in log2 units); online softmax update (common/online_softmax.h)
@@ -43,7 +44,9 @@ void attention_fwd_typed(const AttnArgs& a) {
     const int64_t qb = task % sh.n_qb, bh = task / sh.n_qb;
     const int64_t b = bh / sh.H, h = bh % sh.H, hkv = h / sh.G;
     const int64_t q0 = qb * kBlockQ, n_q = std::min(kBlockQ, sh.Lq - q0);
-    A* const q_tile = thread_scratch<A, 12>((kBlockQ + kRowSlack) * sh.D_pad);
+    constexpr int64_t MR = MicroShape<A>::kMR;
+    A* const q_row = thread_scratch<A, 12>(sh.D_pad);
+    A* const q_packed = thread_scratch<A, 18>(kQBlockRows<A> * sh.D);  // MR-row panels
     A* const s_tile = thread_scratch<A, 13>((kBlockQ + kRowSlack) * s_ld);
     A* const acc = thread_scratch<A, 14>(kBlockQ * sh.Dv_pad);
     A* const bias = thread_scratch<A, 15>(sh.Bk_pad);
@@ -52,14 +55,14 @@ void attention_fwd_typed(const AttnArgs& a) {
 
     // Q prescaled by scale * log2(e): the scores come out of the GEMM in log2 units.
     const V q_mul(static_cast<A>(a.scale * kLog2e));
-    for (int64_t i = 0; i < kBlockQ + kRowSlack; ++i) {
-      A* q_i = q_tile + i * sh.D_pad;
+    for (int64_t i = 0; i < round_up_to(n_q, MR); ++i) {
       if (i < n_q) {
-        load_row(row_ptr<T>(a.q, b, h, q0 + i), sh.D, sh.D_pad, q_i);
-        for (int64_t d = 0; d < sh.D_pad; d += V::size()) (V::loadu(q_i + d) * q_mul).store(q_i + d);
+        load_row(row_ptr<T>(a.q, b, h, q0 + i), sh.D, sh.D_pad, q_row);
+        for (int64_t d = 0; d < sh.D_pad; d += V::size()) (V::loadu(q_row + d) * q_mul).store(q_row + d);
       } else {
-        std::fill(q_i, q_i + sh.D_pad, A(0));
+        std::fill(q_row, q_row + sh.D_pad, A(0));
       }
+      put_row_mr_panels(q_packed, i, q_row, sh.D);
     }
     std::fill(acc, acc + kBlockQ * sh.Dv_pad, A(0));
     std::fill(row_max, row_max + kBlockQ, kNegInf<A>);
@@ -70,8 +73,8 @@ void attention_fwd_typed(const AttnArgs& a) {
     for (int64_t kb = 0; kb < kb_end; ++kb) {
       const int64_t k0 = kb * kBlockK, n_keys = std::min(kBlockK, sh.Lk - k0);
       // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in both GEMMs.
-      tile_gemm<A>(n_q, sh.Bk_pad, sh.D, q_tile, sh.D_pad, 1, pk.kt_block(bh_kv, kb, sh), NR,
-                   sh.D * NR, s_tile, s_ld, false, sh.band(a, q0, kb, Band::kColsUpTo));
+      tile_gemm<A>(n_q, sh.Bk_pad, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb, sh), NR,
+                   sh.D * NR, s_tile, s_ld, false, sh.band(a, q0, kb, Band::kColsUpTo), sh.D * MR);
       const bool diagonal = sh.diagonal(a, q0, kb);
       for (int64_t i = 0; i < n_q; ++i) {
         A* s = s_tile + i * s_ld;

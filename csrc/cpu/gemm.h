@@ -117,11 +117,13 @@ struct Band {
 // sequentially, which the prefetcher follows (row-major K^T blocks with 512-byte row strides
 // measured 1.25x slower in the attention forward). Each B panel stays in L1 while the
 // micro-kernel walks down A. A needs kRowSlack rows of readable slack past M (or M a multiple
-// of MR); B needs full NR-wide panels.
+// of MR); B needs full NR-wide panels. a_panel != 0: A is packed in MR-row panels, micro-row
+// i starting at a + (i / MR) * a_panel (with a_row = 1, a_col = MR the MR values of one k are
+// contiguous, see put_row_mr_panels in attention_common.h); 0: micro-row i at a + i * a_row.
 template <typename A>
 inline void tile_gemm(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_row, int64_t a_col,
                       const A* b, int64_t ldb, int64_t b_panel, A* c, int64_t ldc, bool accumulate,
-                      Band band = {}) {
+                      Band band = {}, int64_t a_panel = 0) {
   constexpr int MR = MicroShape<A>::kMR;
   constexpr int NR = MicroShape<A>::kNR;
   for (int64_t j = 0; j < N; j += NR) {
@@ -133,7 +135,8 @@ inline void tile_gemm(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_row
       int64_t k_lo = 0, k_hi = K;
       if (band.kind == Band::kInnerUpTo) k_hi = std::clamp<int64_t>(i + MR + band.diag, 0, K);
       if (band.kind == Band::kInnerFrom) k_lo = std::clamp<int64_t>(i - band.diag, 0, K);
-      micro_kernel<A>(k_hi - k_lo, a + i * a_row + k_lo * a_col, a_row, a_col, b_j + k_lo * ldb, ldb,
+      const A* a_i = a_panel ? a + (i / MR) * a_panel : a + i * a_row;
+      micro_kernel<A>(k_hi - k_lo, a_i + k_lo * a_col, a_row, a_col, b_j + k_lo * ldb, ldb,
                       c + i * ldc + j, ldc, std::min<int64_t>(MR, M - i), n, accumulate);
     }
   }
