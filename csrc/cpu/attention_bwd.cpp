@@ -133,12 +133,27 @@ void attention_bwd_typed(const AttnArgs& a) {
                        NR, sh.D * NR, p_tile, s_ld, false, cols_band, sh.D * MR);
           tile_gemm<A>(n_q, sh.Bk_pad, sh.Dv, do_pk + qb * do_pk_block, 1, MR, pk.vt_block(bhkv, kb, sh),
                        NR, sh.Dv * NR, ds_tile, s_ld, false, cols_band, sh.Dv * MR);
+          // Tiles that no mask, padding, causal diagonal or dropout touches (most of them): P
+          // and dS in one pass over the row; the others go through score_row's bias row.
+          const bool plain_tile = !diagonal && n_keys == sh.Bk_pad && !a.key_padding_mask &&
+                                  !a.attn_mask.ptr && !threshold;
           for (int64_t i = 0; i < n_q; ++i) {
             A* p = p_tile + i * s_ld;
             A* ds = ds_tile + i * s_ld;
-            score_row(a, sh, p, score_mul, b, h, q0 + i, k0, n_keys, diagonal, bias);
-            exp2_row(p, sh.Bk_pad, lse_h[q0 + i] * static_cast<A>(kLog2e));  // P = exp(s - lse)
+            const A lse_log2 = lse_h[q0 + i] * static_cast<A>(kLog2e);
             const V delta_v(delta_h[q0 + i]);
+            if (plain_tile) {
+              // P = 2^(scale log2(e) S - log2(e) lse) (<= 0 up to rounding), dS = P (dP - delta)
+              const V mul_v(score_mul), neg_shift(-lse_log2);
+              for (int64_t j = 0; j < sh.Bk_pad; j += kV) {
+                const V p_v = exp2_nonpositive(at::vec::fmadd(V::loadu(p + j), mul_v, neg_shift));
+                p_v.store(p + j);
+                (p_v * (V::loadu(ds + j) - delta_v)).store(ds + j);
+              }
+              continue;
+            }
+            score_row(a, sh, p, score_mul, b, h, q0 + i, k0, n_keys, diagonal, bias);
+            exp2_row(p, sh.Bk_pad, lse_log2);  // P = exp(s - lse)
             if (diagonal) {
               // Entries past the row's last allowed key may be unwritten: dS (and P) there are 0.
               const int64_t live = round_up_to(sh.causal_end(q0 + i, k0, sh.Bk_pad), kV);
