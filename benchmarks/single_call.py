@@ -22,9 +22,8 @@ import time
 
 import torch
 
+from ..bench import DTYPES
 from . import common
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _time_once(fn) -> float:

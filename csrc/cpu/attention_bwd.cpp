@@ -94,10 +94,11 @@ void attention_bwd_typed(const AttnArgs& a) {
     std::fill(dk_acc, dk_acc + (n_chunk_keys + kRowSlack) * sh.D_pad, A(0));
     std::fill(dv_acc, dv_acc + (n_chunk_keys + kRowSlack) * sh.Dv_pad, A(0));
 
+    // Padding rows of the packed Q / dO blocks stay zero; every head rewrites rows < Lq.
+    std::fill(q_pk, q_pk + sh.n_qb * q_pk_block, A(0));
+    std::fill(do_pk, do_pk + sh.n_qb * do_pk_block, A(0));
     for (int64_t g = 0; g < sh.G; ++g) {
       const int64_t h = hkv * sh.G + g;
-      std::fill(q_pk, q_pk + sh.n_qb * q_pk_block, A(0));
-      std::fill(do_pk, do_pk + sh.n_qb * do_pk_block, A(0));
       for (int64_t i = 0; i < q_rows; ++i) {
         if (i < sh.Lq) {
           load_row(row_ptr<T>(a.q, b, h, i), sh.D, sh.D_pad, q_i);
