@@ -83,6 +83,12 @@ def cases(device: str, dtypes: list, quick: bool = False):
                    device=device, memory_only=True)
 
 
+def case_name(c: dict) -> str:
+    """The row's case name, known before build() allocates anything (single_call filters on it)."""
+    B, H, L, D = c["shape"]
+    return f"({B}, {H}, {L}, {D}){' causal' if c['causal'] else ''}"
+
+
 def build(c: dict):
     shape, dtype, causal, mode, device = c["shape"], c["dtype"], c["causal"], c["mode"], c["device"]
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -112,7 +118,6 @@ def build(c: dict):
             ref_dtype = torch.float64 if device == "cpu" else torch.float32
             return max_abs_err(ours, eager_math(qd.to(ref_dtype), kd.to(ref_dtype), vd.to(ref_dtype), causal))
 
-    B, H, L, D = shape
-    row = Row("attention", f"({B}, {H}, {L}, {D}){' causal' if causal else ''}",
-              str(dtype).replace("torch.", ""), mode, {}, {"flops": work}, note="; ".join(notes))
+    row = Row("attention", case_name(c), str(dtype).replace("torch.", ""), mode,
+              {}, {"flops": work}, note="; ".join(notes))
     return fns, row, error

@@ -125,6 +125,13 @@ def cases(device: str, dtypes: list, quick: bool = False):
                            mode=mode, device=device)
 
 
+def case_name(c: dict) -> str:
+    """The row's case name, known before build() allocates anything (single_call filters on it)."""
+    tokens, d, hidden = c["shape"]
+    kind = "swiglu" if c["gated"] else f"ffn {c['act']}"
+    return f"{kind} ({tokens}, {d}, {hidden})"
+
+
 def build(c: dict):
     (tokens, d, hidden), act, gated = c["shape"], c["act"], c["gated"]
     dtype, mode, device = c["dtype"], c["mode"], c["device"]
@@ -155,7 +162,6 @@ def build(c: dict):
             ref = _eager(xs.to(ref_dtype), [t.to(ref_dtype) for t in ws], act, gated)
             return max_abs_err(_ours(xs, ws, act, gated), ref)
 
-    kind = "swiglu" if gated else f"ffn {act}"
-    row = Row("ffn", f"{kind} ({tokens}, {d}, {hidden})", str(dtype).replace("torch.", ""), mode,
+    row = Row("ffn", case_name(c), str(dtype).replace("torch.", ""), mode,
               {}, {"flops": work}, note="; ".join(notes))
     return fns, row, error

@@ -106,6 +106,11 @@ def cases(device: str, dtypes: list, quick: bool = False):
                 yield dict(kind=kind, dtype=dtype, mode=mode, device=device)
 
 
+def case_name(c: dict) -> str:
+    """The row's case name, known before build() allocates anything (single_call filters on it)."""
+    return f"{c['kind']} layer (B={B}, L={L}, d={D_MODEL}, h={NHEAD}, ff={FFD})"
+
+
 def build(c: dict):
     kind, dtype, mode, device = c["kind"], c["dtype"], c["mode"], c["device"]
     layers = _layers(kind, dtype, device)
@@ -135,6 +140,6 @@ def build(c: dict):
                           **{k: (v.to(ref_dtype) if torch.is_tensor(v) else v) for k, v in kwargs.items()})
         return max_abs_err(out, out_ref)
 
-    row = Row("layers", f"{kind} layer (B={B}, L={L}, d={D_MODEL}, h={NHEAD}, ff={FFD})",
-              str(dtype).replace("torch.", ""), mode, {}, {"flops": work}, note="; ".join(notes))
+    row = Row("layers", case_name(c), str(dtype).replace("torch.", ""), mode,
+              {}, {"flops": work}, note="; ".join(notes))
     return fns, row, error

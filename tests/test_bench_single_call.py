@@ -3,13 +3,23 @@ import re
 
 import pytest
 
-from fastformer.benchmarks import single_call
+from fastformer.benchmarks import ffn, single_call
 
 
-def test_single_call_times_ours_and_the_skipped_baseline(capsys):
+def test_single_call_times_ours_and_the_skipped_baseline(capsys, monkeypatch):
     # The smallest ffn case, forward only: a few seconds. The script lifts the suite's budget,
-    # so eager runs here whatever its estimate.
+    # so eager runs here whatever its estimate. Only the matching case is built (building one
+    # allocates its tensors; the gated fwd+bwd ones run ours once for the saved bytes).
+    built = []
+    build = ffn.build
+
+    def recording_build(case):
+        fns, row, error = build(case)
+        built.append((ffn.case_name(case), row.case))
+        return fns, row, error
+    monkeypatch.setattr(ffn, "build", recording_build)
     single_call.main(["--op", "ffn", "--match", "relu (4096", "--dtype", "fp32", "--mode", "fwd"])
+    assert built == [("ffn relu (4096, 768, 3072)", "ffn relu (4096, 768, 3072)")]
     out = capsys.readouterr().out
     line = [l for l in out.splitlines() if l.startswith("ffn relu (4096, 768, 3072) float32 fwd")]
     assert len(line) == 1, out
