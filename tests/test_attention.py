@@ -121,7 +121,31 @@ def test_fully_masked_rows_give_zeros_and_zero_grads(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("scale", [None, 0.05, 1.7])
+@pytest.mark.parametrize("jump", [2.0, 14.0, 100.0])
+def test_large_scores_rising_between_key_blocks(backend, jump):
+    """Scores around 0, jump and 2 * jump (natural units) in three 128-key blocks: the online
+    softmax rescales at every block, at magnitudes where fp32 rounding of the scaled scores is
+    ~1e-5. The backward recomputes P from the saved lse, so it must score exactly as the forward
+    did: the CPU kernels once scaled Q before the forward's GEMM but S after the backward's, and
+    at jump 100 dq came out 2e-4 off (eager 2e-6). Entries are multiples of 1/64 and scale is 1,
+    so Q K^T is exact in fp32 and the comparison with the fp64 oracle measures the softmax."""
+    g = torch.Generator().manual_seed(3)
+    B, H, Lq, Lk, D = 1, 2, 70, 384, 16
+    grid = lambda *s: torch.randint(-16, 17, s, generator=g).double() / 16  # noqa: E731
+    q, k, v, go = grid(B, H, Lq, D), grid(B, H, Lk, D) / 4, grid(B, H, Lk, D), grid(B, H, Lq, D)
+    # s_ij = jump * (block of key j) + small terms, split as c * (jump / c) so neither q nor k
+    # is large: a gradient's fp32 rounding grows with the other operand's magnitude.
+    c = min(jump, 8.0)
+    q[..., 0] = c
+    k[..., 0] = (jump / c) * (torch.arange(Lk) // 128).double()
+    q, k, v, go = (t.float() for t in (q, k, v, go))
+    _compare(backend, q, k, v, go, scale=1.0)
+    # The same keys in falling order: the first block holds the max, no row ever redoes.
+    _compare(backend, q, k.flip(2), v, go, scale=1.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [None, 0.05, 1.7, -0.3])  # scale <= 0: no lazy max path
 def test_scale(backend, scale):
     q, k, v, go = _inputs(1, 2, 2, 33, 47, 24, torch.float32)
     _compare(backend, q, k, v, go, scale=scale, causal="top_left")

@@ -134,10 +134,12 @@ void attention_bwd_typed(const AttnArgs& a) {
                        NR, sh.D * NR, p_tile, s_ld, false, cols_band, sh.D * MR);
           tile_gemm<A>(n_q, sh.Bk_pad, sh.Dv, do_pk + qb * do_pk_block, 1, MR, pk.vt_block(bhkv, kb, sh),
                        NR, sh.Dv * NR, ds_tile, s_ld, false, cols_band, sh.Dv * MR);
-          // Tiles that no mask, padding, causal diagonal or dropout touches (most of them): P
-          // and dS in one pass over the row; the others go through score_row's bias row.
-          const bool plain_tile = !diagonal && n_keys == sh.Bk_pad && !a.key_padding_mask &&
-                                  !a.attn_mask.ptr && !threshold;
+          // P exactly as the forward computed it (attention_fwd.cpp): unmasked tiles straight
+          // from S with one FMA (exp2_row's mul), the others after score_row's scale and bias.
+          // Unmasked tiles without dropout (most of them): P and dS in one pass over the row.
+          const bool unmasked = !diagonal && n_keys == sh.Bk_pad && !a.key_padding_mask &&
+                                !a.attn_mask.ptr && score_mul > A(0);
+          const bool plain_tile = unmasked && !threshold;
           for (int64_t i = 0; i < n_q; ++i) {
             A* p = p_tile + i * s_ld;
             A* ds = ds_tile + i * s_ld;
@@ -153,8 +155,12 @@ void attention_bwd_typed(const AttnArgs& a) {
               }
               continue;
             }
-            score_row(a, sh, p, score_mul, b, h, q0 + i, k0, n_keys, diagonal, bias);
-            exp2_row(p, sh.Bk_pad, lse_log2);  // P = exp(s - lse)
+            if (unmasked) {
+              exp2_row(p, sh.Bk_pad, lse_log2, score_mul);  // P = exp(scale S - lse)
+            } else {
+              score_row(a, sh, p, score_mul, b, h, q0 + i, k0, n_keys, diagonal, bias);
+              exp2_row(p, sh.Bk_pad, lse_log2);  // P = exp(s - lse)
+            }
             if (diagonal) {
               // Entries past the row's last allowed key may be unwritten: dS (and P) there are 0.
               const int64_t live = round_up_to(sh.causal_end(q0 + i, k0, sh.Bk_pad), kV);

@@ -249,8 +249,8 @@ inline Vectorized<A> exp2_nonpositive(const Vectorized<A>& x) {
 
 // Scores of one row, in place, in log2 units: s_j = mul * s_j + log2(e) * float mask, -inf where
 // the bool mask is false, the key is padding, causality forbids it, or j >= n_keys (keys
-// k0 .. k0 + n_keys of query qi). mul is 1 when Q was prescaled by scale * log2(e) (forward),
-// scale * log2(e) otherwise (backward). Returns the row max (-inf if no key is allowed).
+// k0 .. k0 + n_keys of query qi). mul is scale * log2(e) (Q K^T comes unscaled from the GEMM in
+// both passes). Returns the row max (-inf if no key is allowed).
 template <typename A>
 inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b, int64_t h,
                    int64_t qi, int64_t k0, int64_t n_keys, bool diagonal, A* bias) {
@@ -307,18 +307,32 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
   return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, row_max);
 }
 
-// p_j = 2^(s_j - shift) in place over [0, n_pad); returns the sum.
+// p_j = 2^(mul * s_j - shift) in place over [0, n_pad), with one rounding (an FMA); returns the
+// sum. mul = 1 for scores score_row has already scaled. Rows no mask touches pass the GEMM's
+// Q K^T with mul = scale * log2(e) in both passes, so the forward and the backward compute P
+// from bitwise the same S by the same formula (the saved lse and output match the backward's
+// P), and mul * s is never rounded at the scores' magnitude: with Q prescaled instead, scores
+// ~200 lost ~1e-5 per entry, and the backward's dq disagreed with the forward by 2e-4.
 template <typename A>
-inline A exp2_row(A* s, int64_t n_pad, A shift) {
+inline A exp2_row(A* s, int64_t n_pad, A shift, A mul = A(1)) {
   using V = Vectorized<A>;
-  const V shift_v(shift);
+  const V mul_v(mul), neg_shift(-shift);
   V sum(A(0));
   for (int64_t j = 0; j < n_pad; j += V::size()) {
-    const V p = exp2_nonpositive(V::loadu(s + j) - shift_v);
+    const V p = exp2_nonpositive(at::vec::fmadd(V::loadu(s + j), mul_v, neg_shift));
     p.store(s + j);
     sum = sum + p;
   }
   return reduce_add(sum);
+}
+
+// Maximum of a row of n_pad values (a multiple of the vector width).
+template <typename A>
+inline A row_max_of(const A* s, int64_t n_pad) {
+  using V = Vectorized<A>;
+  V max_v(kNegInf<A>);
+  for (int64_t j = 0; j < n_pad; j += V::size()) max_v = at::vec::maximum(max_v, V::loadu(s + j));
+  return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, max_v);
 }
 
 // Zeroes the dropped probabilities of one row (keys k0 .. k0 + n_keys of query qi).

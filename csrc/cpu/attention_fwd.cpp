@@ -8,9 +8,10 @@
 // the causal diagonal are skipped, not masked; inside a tile the diagonal cuts, the GEMMs skip
 // the 6 x 16 micro-tiles wholly above it, see Band in gemm.h):
 //   S = Q_tile K^T_block                       micro-kernel GEMM, 2*64*128*D flops
-//   s = S + log2(e) * float mask, -inf where masked (Q was prescaled by scale * log2(e), so s
-//   is in log2 units); online softmax update (common/online_softmax.h)
-//   P = 2^(s - row_max'); dropped entries zeroed (Philox, common/philox.h)
+//   s = scale * log2(e) * S (+ log2(e) * float mask, -inf where masked): log2 units; online
+//   softmax update (common/online_softmax.h)
+//   P = 2^(s - row_max'), one FMA from S where no mask touches the tile (exactly as the
+//   backward recomputes it, see exp2_row); dropped entries zeroed (Philox, common/philox.h)
 //   acc = alpha * acc + P V_block               micro-kernel GEMM, 2*64*128*Dv flops
 // out = acc / (row_sum * (1 - p)), lse = row_max + log(row_sum) (+inf for fully masked rows).
 // Memory per task: reads its Q block once and every visible packed K/V block (L2-resident for
@@ -37,6 +38,7 @@ void attention_fwd_typed(const AttnArgs& a) {
   const uint32_t threshold = a.dropout_p > 0 ? dropout_threshold(a.dropout_p) : 0;
   const A out_scale = a.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - a.dropout_p) : A(1);
   const int64_t s_ld = sh.Bk_pad + kRowSlack;  // slack columns: P^T reads in the backward style
+  const A score_mul = static_cast<A>(a.scale * kLog2e);  // S = Q K^T to log2 units, see exp2_row
   A* const lse_out = static_cast<A*>(a.lse);
 
   const double flops = 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
@@ -53,12 +55,9 @@ void attention_fwd_typed(const AttnArgs& a) {
     A* const row_max = thread_scratch<A, 16>(kBlockQ);
     A* const row_sum = thread_scratch<A, 17>(kBlockQ);
 
-    // Q prescaled by scale * log2(e): the scores come out of the GEMM in log2 units.
-    const V q_mul(static_cast<A>(a.scale * kLog2e));
     for (int64_t i = 0; i < round_up_to(n_q, MR); ++i) {
       if (i < n_q) {
         load_row(row_ptr<T>(a.q, b, h, q0 + i), sh.D, sh.D_pad, q_row);
-        for (int64_t d = 0; d < sh.D_pad; d += V::size()) (V::loadu(q_row + d) * q_mul).store(q_row + d);
       } else {
         std::fill(q_row, q_row + sh.D_pad, A(0));
       }
@@ -76,12 +75,18 @@ void attention_fwd_typed(const AttnArgs& a) {
       tile_gemm<A>(n_q, sh.Bk_pad, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb, sh), NR,
                    sh.D * NR, s_tile, s_ld, false, sh.band(a, q0, kb, Band::kColsUpTo), sh.D * MR);
       const bool diagonal = sh.diagonal(a, q0, kb);
+      // P as the backward computes it: tiles no mask, padding or causal cut touches straight
+      // from S with one FMA per score (exp2_row's mul), the others after score_row's scale and
+      // bias. (A scale <= 0, allowed, flips which score is the max: score_row handles it.)
+      const bool unmasked = !diagonal && n_keys == sh.Bk_pad && !a.key_padding_mask && !a.attn_mask.ptr &&
+                            score_mul > A(0);
       for (int64_t i = 0; i < n_q; ++i) {
         A* s = s_tile + i * s_ld;
-        const A block_max = score_row(a, sh, s, A(1), b, h, q0 + i, k0, n_keys, diagonal, bias);
-        const A new_max = std::max(row_max[i], block_max);  // log2 units
+        const A block_max = unmasked ? row_max_of(s, sh.Bk_pad) * score_mul  // log2 units
+                                     : score_row(a, sh, s, score_mul, b, h, q0 + i, k0, n_keys, diagonal, bias);
+        const A new_max = std::max(row_max[i], block_max);
         const A alpha = online_softmax_alpha(row_max[i] * kLn2<A>, new_max * kLn2<A>);
-        const A block_sum = exp2_row(s, sh.Bk_pad, softmax_shift(new_max));
+        const A block_sum = exp2_row(s, sh.Bk_pad, softmax_shift(new_max), unmasked ? score_mul : A(1));
         row_sum[i] = alpha * row_sum[i] + block_sum;
         row_max[i] = new_max;
         if (threshold) drop_row(a, s, b, h, q0 + i, k0, n_keys, threshold);
