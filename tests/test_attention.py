@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 import torch
-from attention_oracle import ff_attention, oracle_attention, oracle_grads, run
+from attention_oracle import ff_attention, oracle_attention, oracle_grads, rising_score_inputs, run
 from oracle import check
 
 import fastformer as ff
@@ -129,18 +129,9 @@ def test_large_scores_rising_between_key_blocks(backend, jump):
     did: the CPU kernels once scaled Q before the forward's GEMM but S after the backward's, and
     at jump 100 dq came out 2e-4 off (eager 2e-6). Entries are multiples of 1/64 and scale is 1,
     so Q K^T is exact in fp32 and the comparison with the fp64 oracle measures the softmax."""
-    g = torch.Generator().manual_seed(3)
-    B, H, Lq, Lk, D = 1, 2, 70, 384, 16
-    grid = lambda *s: torch.randint(-16, 17, s, generator=g).double() / 16  # noqa: E731
-    q, k, v, go = grid(B, H, Lq, D), grid(B, H, Lk, D) / 4, grid(B, H, Lk, D), grid(B, H, Lq, D)
-    # s_ij = jump * (block of key j) + small terms, split as c * (jump / c) so neither q nor k
-    # is large: a gradient's fp32 rounding grows with the other operand's magnitude.
-    c = min(jump, 8.0)
-    q[..., 0] = c
-    k[..., 0] = (jump / c) * (torch.arange(Lk) // 128).double()
-    q, k, v, go = (t.float() for t in (q, k, v, go))
+    q, k, v, go = rising_score_inputs(jump)
     _compare(backend, q, k, v, go, scale=1.0)
-    # The same keys in falling order: the first block holds the max, no row ever redoes.
+    # The same keys in falling order: the first block holds every row's max (no rescaling).
     _compare(backend, q, k.flip(2), v, go, scale=1.0)
 
 

@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from attention_oracle import rising_score_inputs
 from oracle import check
 
 import fastformer as ff
@@ -130,6 +131,15 @@ CASES = [
 def test_matches_eager(B, H, Hkv, Lq, Lk, D, causal, scale, dtype):
     q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype)
     compare(q, k, v, dout, causal=causal, scale=scale)
+
+
+@pytest.mark.parametrize("jump", [14.0, 100.0])
+def test_large_scores_rising_between_key_blocks(jump):
+    """Scores around 0, jump and 2 * jump over three 128-key blocks (exact in fp32, see
+    rising_score_inputs): the online softmax rescales at magnitudes where fp32 rounding of the
+    scaled scores matters, and the backward must recompute P as the forward computed it."""
+    q, k, v, dout = rising_score_inputs(jump)
+    compare(q, k, v, dout, scale=1.0)
 
 
 @pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
