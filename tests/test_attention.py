@@ -136,7 +136,7 @@ def test_large_scores_rising_between_key_blocks(backend, jump):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("scale", [None, 0.05, 1.7, -0.3])  # scale <= 0: no lazy max path
+@pytest.mark.parametrize("scale", [None, 0.05, 1.7, -0.3])  # -0.3: score_row on every tile
 def test_scale(backend, scale):
     q, k, v, go = _inputs(1, 2, 2, 33, 47, 24, torch.float32)
     _compare(backend, q, k, v, go, scale=scale, causal="top_left")

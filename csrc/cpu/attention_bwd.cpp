@@ -134,11 +134,10 @@ void attention_bwd_typed(const AttnArgs& a) {
                        NR, sh.D * NR, p_tile, s_ld, false, cols_band, sh.D * MR);
           tile_gemm<A>(n_q, sh.Bk_pad, sh.Dv, do_pk + qb * do_pk_block, 1, MR, pk.vt_block(bhkv, kb, sh),
                        NR, sh.Dv * NR, ds_tile, s_ld, false, cols_band, sh.Dv * MR);
-          // P exactly as the forward computed it (attention_fwd.cpp): unmasked tiles straight
-          // from S with one FMA (exp2_row's mul), the others after score_row's scale and bias.
-          // Unmasked tiles without dropout (most of them): P and dS in one pass over the row.
-          const bool unmasked = !diagonal && n_keys == sh.Bk_pad && !a.key_padding_mask &&
-                                !a.attn_mask.ptr && score_mul > A(0);
+          // P exactly as the forward computed it (Shape::unmasked): straight from S with one FMA
+          // (exp2_row's mul), or after score_row's scale and bias. Unmasked tiles without
+          // dropout (most of them): P and dS in one pass over the row.
+          const bool unmasked = sh.unmasked(a, q0, kb, score_mul);
           const bool plain_tile = unmasked && !threshold;
           for (int64_t i = 0; i < n_q; ++i) {
             A* p = p_tile + i * s_ld;

@@ -58,6 +58,14 @@ struct Shape {
   bool diagonal(const AttnArgs& a, int64_t q0, int64_t kb) const {
     return a.causal && (kb + 1) * kBlockK - 1 > q0 + causal_shift;
   }
+  // Whether no mask, key padding, causal cut or block tail touches tile (q0, kb) and the scale
+  // is positive: both passes then compute P straight from the GEMM's S with one FMA (exp2_row's
+  // mul), the others through score_row. The forward and the backward must agree on this for
+  // the backward's P to be the forward's.
+  bool unmasked(const AttnArgs& a, int64_t q0, int64_t kb, A score_mul) const {
+    return !diagonal(a, q0, kb) && std::min(kBlockK, Lk - kb * kBlockK) == Bk_pad &&
+           !a.key_padding_mask && !a.attn_mask.ptr && score_mul > A(0);
+  }
   // One past the last key of [k0, k0 + n_keys) that causality lets query qi see (0 if none).
   int64_t causal_end(int64_t qi, int64_t k0, int64_t n_keys) const {
     return std::clamp<int64_t>(qi + causal_shift - k0 + 1, 0, n_keys);

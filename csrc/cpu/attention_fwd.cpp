@@ -75,11 +75,10 @@ void attention_fwd_typed(const AttnArgs& a) {
       tile_gemm<A>(n_q, sh.Bk_pad, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb, sh), NR,
                    sh.D * NR, s_tile, s_ld, false, sh.band(a, q0, kb, Band::kColsUpTo), sh.D * MR);
       const bool diagonal = sh.diagonal(a, q0, kb);
-      // P as the backward computes it: tiles no mask, padding or causal cut touches straight
-      // from S with one FMA per score (exp2_row's mul), the others after score_row's scale and
-      // bias. (A scale <= 0, allowed, flips which score is the max: score_row handles it.)
-      const bool unmasked = !diagonal && n_keys == sh.Bk_pad && !a.key_padding_mask && !a.attn_mask.ptr &&
-                            score_mul > A(0);
+      // P as the backward computes it (Shape::unmasked): straight from S with one FMA per
+      // score, or after score_row's scale and bias. (A scale <= 0, allowed, flips which score
+      // is the max: score_row handles it.)
+      const bool unmasked = sh.unmasked(a, q0, kb, score_mul);
       for (int64_t i = 0; i < n_q; ++i) {
         A* s = s_tile + i * s_ld;
         const A block_max = unmasked ? row_max_of(s, sh.Bk_pad) * score_mul  // log2 units
