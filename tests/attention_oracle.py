@@ -64,15 +64,17 @@ def dropout_keep(rng_state, shape, p):
     return keep_mask(rng_state, shape, p)
 
 
-def rising_score_inputs(jump: float, B=1, H=2, Lq=70, Lk=384, D=16, seed=3):
-    """fp32 q, k, v, grad_out whose scores (at scale 1) are jump * (128-key block index) plus
-    terms in [-4, 4]: large scores that rise from block to block. Entries are multiples of 1/64,
+def rising_score_inputs(jump: float, B=1, H=2, Lq=70, Lk=None, D=16, seed=3, block=128):
+    """fp32 q, k, v, grad_out whose scores (at scale 1) are jump * (block-key block index) plus
+    terms in [-4, 4]: large scores that rise from block to block (three blocks unless Lk is
+    given; block: the key block of the kernel under test). Entries are multiples of 1/64,
     so Q K^T is exact in fp32; the large part is split as c * (jump / c) so that neither q nor k
     is large (a gradient's fp32 rounding grows with the other operand's magnitude)."""
+    Lk = 3 * block if Lk is None else Lk
     g = torch.Generator().manual_seed(seed)
     grid = lambda *s: torch.randint(-16, 17, s, generator=g).double() / 16  # noqa: E731
     q, k, v, go = grid(B, H, Lq, D), grid(B, H, Lk, D) / 4, grid(B, H, Lk, D), grid(B, H, Lq, D)
     c = min(jump, 8.0)
     q[..., 0] = c
-    k[..., 0] = (jump / c) * (torch.arange(Lk) // 128).double()
+    k[..., 0] = (jump / c) * (torch.arange(Lk) // block).double()
     return tuple(t.float() for t in (q, k, v, go))

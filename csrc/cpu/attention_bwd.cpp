@@ -119,7 +119,7 @@ void attention_bwd_typed(const AttnArgs& a) {
       const A* delta_h = delta + (b * sh.H + h) * sh.Lq;
 
       for (int64_t kb = kb0; kb < kb1; ++kb) {
-        const int64_t k0 = kb * kBlockK, n_keys = std::min(kBlockK, sh.Lk - k0);
+        const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
         A* const dk_blk = dk_acc + (k0 - key0) * sh.D_pad;
         A* const dv_blk = dv_acc + (k0 - key0) * sh.Dv_pad;
         // Query blocks that can see key block kb (causal: at or below the diagonal).
@@ -130,9 +130,9 @@ void attention_bwd_typed(const AttnArgs& a) {
           // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in all five GEMMs.
           const Band cols_band = sh.band(a, q0, kb, Band::kColsUpTo);
           const int64_t qb = q0 / kBlockQ;
-          tile_gemm<A>(n_q, sh.Bk_pad, sh.D, q_pk + qb * q_pk_block, 1, MR, pk.kt_block(bhkv, kb, sh),
+          tile_gemm<A>(n_q, cols, sh.D, q_pk + qb * q_pk_block, 1, MR, pk.kt_block(bhkv, kb, sh),
                        NR, sh.D * NR, p_tile, s_ld, false, cols_band, sh.D * MR);
-          tile_gemm<A>(n_q, sh.Bk_pad, sh.Dv, do_pk + qb * do_pk_block, 1, MR, pk.vt_block(bhkv, kb, sh),
+          tile_gemm<A>(n_q, cols, sh.Dv, do_pk + qb * do_pk_block, 1, MR, pk.vt_block(bhkv, kb, sh),
                        NR, sh.Dv * NR, ds_tile, s_ld, false, cols_band, sh.Dv * MR);
           // P exactly as the forward computed it (Shape::unmasked): straight from S with one FMA
           // (exp2_row's mul), or after score_row's scale and bias. Unmasked tiles without
@@ -147,7 +147,7 @@ void attention_bwd_typed(const AttnArgs& a) {
             if (plain_tile) {
               // P = 2^(scale log2(e) S - log2(e) lse) (<= 0 up to rounding), dS = P (dP - delta)
               const V mul_v(score_mul), neg_shift(-lse_log2);
-              for (int64_t j = 0; j < sh.Bk_pad; j += kV) {
+              for (int64_t j = 0; j < cols; j += kV) {
                 const V p_v = exp2_nonpositive(at::vec::fmadd(V::loadu(p + j), mul_v, neg_shift));
                 p_v.store(p + j);
                 (p_v * (V::loadu(ds + j) - delta_v)).store(ds + j);
@@ -155,23 +155,23 @@ void attention_bwd_typed(const AttnArgs& a) {
               continue;
             }
             if (unmasked) {
-              exp2_row(p, sh.Bk_pad, lse_log2, score_mul);  // P = exp(scale S - lse)
+              exp2_row(p, cols, lse_log2, score_mul);  // P = exp(scale S - lse)
             } else {
-              score_row(a, sh, p, score_mul, b, h, q0 + i, k0, n_keys, diagonal, bias);
-              exp2_row(p, sh.Bk_pad, lse_log2);  // P = exp(s - lse)
+              score_row(a, sh, p, score_mul, b, h, q0 + i, k0, n_keys, cols, diagonal, bias);
+              exp2_row(p, cols, lse_log2);  // P = exp(s - lse)
             }
             if (diagonal) {
               // Entries past the row's last allowed key may be unwritten: dS (and P) there are 0.
-              const int64_t live = round_up_to(sh.causal_end(q0 + i, k0, sh.Bk_pad), kV);
-              std::fill(ds + live, ds + sh.Bk_pad, A(0));
+              const int64_t live = round_up_to(sh.causal_end(q0 + i, k0, cols), kV);
+              std::fill(ds + live, ds + cols, A(0));
             }
             if (threshold) {
               // dS = P (dP keep/(1-p) - delta); dV uses P' = P keep/(1-p)
               A* pd = pd_tile + i * s_ld;
-              std::copy(p, p + sh.Bk_pad, pd);
+              std::copy(p, p + cols, pd);
               drop_row(a, pd, b, h, q0 + i, k0, n_keys, threshold);
               const V scale_v(drop_scale);
-              for (int64_t j = 0; j < sh.Bk_pad; j += kV) {
+              for (int64_t j = 0; j < cols; j += kV) {
                 const V kept = V::loadu(pd + j) * scale_v;  // P'
                 const V p_v = V::loadu(p + j);
                 // dP' = dP * keep/(1-p) = dP * P'/P where P > 0; dS = P dP' - P delta
@@ -180,7 +180,7 @@ void attention_bwd_typed(const AttnArgs& a) {
                 kept.store(pd + j);
               }
             } else {
-              for (int64_t j = 0; j < sh.Bk_pad; j += kV)
+              for (int64_t j = 0; j < cols; j += kV)
                 (V::loadu(p + j) * (V::loadu(ds + j) - delta_v)).store(ds + j);
             }
           }

@@ -19,10 +19,17 @@
 namespace fastformer::cpu::CPU_CAPABILITY {
 namespace attn {
 
-// Query rows and keys per tile. 64 x 128 keeps the S tile (32 KB), the Q tile and a K^T block
-// (32 KB at D = 64) in L1/L2 while the micro-kernel streams them.
-constexpr int64_t kBlockQ = 64;
-constexpr int64_t kBlockK = 128;
+// Query rows and keys per tile: whole micro-tiles both ways (72 = 12 x 6 = 6 x 12 rows for MR
+// = 6 on AVX2 and 12 on AVX-512; 192 = 32 x 6 = 16 x 12 rows, and 12 x 16 = 6 x 32 columns).
+// Tile GEMMs take queries as rows (S, dP, O += P V, dQ += dS K) or keys (dV += P^T dO,
+// dK += dS^T Q); with the former 64 x 128 tiles both computed a partial last micro-row (66 of
+// 64 query rows, 132 of 128 key rows, the last one stored through the masked path). The S tile
+// (72 x 192 fp32, 54 KB) and a K^T block (48 KB at D = 64) stay in L2 while the micro-kernel
+// streams them. Two threads, the old and the new extension loaded side by side in one process
+// and called alternately, medians of 8-10 calls: forward + backward (1, 8, 2048, 64) 1.06x and
+// (1, 4, 4096, 128) 1.09x, forward (1, 16, 4096, 128) 1.12x, (8, 12, 128, 64) within 1%.
+constexpr int64_t kBlockQ = 72;
+constexpr int64_t kBlockK = 192;
 
 template <typename A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();
@@ -40,10 +47,10 @@ struct Shape {
     B = a.B; H = a.H; Hkv = a.Hkv; G = a.H / a.Hkv; Lq = a.Lq; Lk = a.Lk; D = a.D; Dv = a.Dv;
     D_pad = round_up_to(D, NR);
     Dv_pad = round_up_to(Dv, NR);
-    Bk_pad = round_up_to(kBlockK, NR);
+    Bk_pad = round_up_to(std::clamp<int64_t>(Lk, 1, kBlockK), NR);  // the widest block's columns
     n_kb = (Lk + kBlockK - 1) / kBlockK;
     n_qb = (Lq + kBlockQ - 1) / kBlockQ;
-    Lk_pad = n_kb * kBlockK + kRowSlack;
+    Lk_pad = round_up_to(Lk, NR) + kRowSlack;  // every packed key column, then zero rows
     causal_shift = a.causal == 2 ? Lk - Lq : 0;
   }
 
@@ -58,13 +65,19 @@ struct Shape {
   bool diagonal(const AttnArgs& a, int64_t q0, int64_t kb) const {
     return a.causal && (kb + 1) * kBlockK - 1 > q0 + causal_shift;
   }
-  // Whether no mask, key padding, causal cut or block tail touches tile (q0, kb) and the scale
-  // is positive: both passes then compute P straight from the GEMM's S with one FMA (exp2_row's
-  // mul), the others through score_row. The forward and the backward must agree on this for
-  // the backward's P to be the forward's.
+  // Keys of block kb, and the score columns its tiles compute: rounded up to the micro-tile's
+  // NR only, so a short last block (Lk = 2048 = 10 * 192 + 128) costs its own keys, not a
+  // whole kBlockK. Columns in [n_keys, cols) are padding keys (zero K/V rows, P = 0).
+  int64_t block_keys(int64_t kb) const { return std::min(kBlockK, Lk - kb * kBlockK); }
+  static int64_t block_cols(int64_t n_keys) { return round_up_to(n_keys, MicroShape<A>::kNR); }
+  // Whether no mask, key padding, causal cut or padding column touches tile (q0, kb) and the
+  // scale is positive: both passes then compute P straight from the GEMM's S with one FMA
+  // (exp2_row's mul), the others through score_row. The forward and the backward must agree on
+  // this for the backward's P to be the forward's.
   bool unmasked(const AttnArgs& a, int64_t q0, int64_t kb, A score_mul) const {
-    return !diagonal(a, q0, kb) && std::min(kBlockK, Lk - kb * kBlockK) == Bk_pad &&
-           !a.key_padding_mask && !a.attn_mask.ptr && score_mul > A(0);
+    const int64_t n_keys = block_keys(kb);
+    return !diagonal(a, q0, kb) && n_keys == block_cols(n_keys) && !a.key_padding_mask &&
+           !a.attn_mask.ptr && score_mul > A(0);
   }
   // One past the last key of [k0, k0 + n_keys) that causality lets query qi see (0 if none).
   int64_t causal_end(int64_t qi, int64_t k0, int64_t n_keys) const {
@@ -189,8 +202,10 @@ void pack_kv(const AttnArgs& a, const Shape<A>& sh, const Packed<A>& pk) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / sh.n_kb, kb = t % sh.n_kb;
       const int64_t b = bh / sh.Hkv, h = bh % sh.Hkv;
-      const int64_t k0 = kb * kBlockK, n_keys = std::min(kBlockK, sh.Lk - k0);
-      for (int64_t j = 0; j < sh.Bk_pad; ++j) {
+      // Only the block's score columns (Shape::block_cols): the panels of a short last block
+      // past them are never read (its tile GEMMs stop there), so they are not written either.
+      const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
+      for (int64_t j = 0; j < cols; ++j) {
         A* k_row = k_rows + j * sh.D_pad;
         A* v_row = v_rows + j * sh.Dv_pad;
         if (j < n_keys) {
@@ -201,15 +216,16 @@ void pack_kv(const AttnArgs& a, const Shape<A>& sh, const Packed<A>& pk) {
           std::fill(v_row, v_row + sh.Dv_pad, A(0));
         }
       }
-      put_rows_transposed_panels(k_rows, sh.D_pad, sh.Bk_pad, sh.D, pk.kt + bh * pk.kt_head + kb * sh.Bk_pad * sh.D);
-      if (pk.vt) put_rows_transposed_panels(v_rows, sh.Dv_pad, sh.Bk_pad, sh.Dv, pk.vt + bh * pk.vt_head + kb * sh.Bk_pad * sh.Dv);
-      for (int64_t j = 0; j < sh.Bk_pad; ++j) {
+      put_rows_transposed_panels(k_rows, sh.D_pad, cols, sh.D, pk.kt + bh * pk.kt_head + kb * sh.Bk_pad * sh.D);
+      if (pk.vt) put_rows_transposed_panels(v_rows, sh.Dv_pad, cols, sh.Dv, pk.vt + bh * pk.vt_head + kb * sh.Bk_pad * sh.Dv);
+      for (int64_t j = 0; j < cols; ++j) {
         if (pk.vp) put_row_panels(pk.vp + bh * pk.vp_head, sh.Lk_pad, k0 + j, v_rows + j * sh.Dv_pad, sh.Dv_pad);
         if (pk.kp) put_row_panels(pk.kp + bh * pk.kp_head, sh.Lk_pad, k0 + j, k_rows + j * sh.D_pad, sh.D_pad);
       }
       if (kb + 1 == sh.n_kb) {
-        // Rows past the head's last block (read by full micro-tiles) are zero.
-        for (int64_t key = sh.n_kb * kBlockK; key < sh.Lk_pad; ++key) {
+        // Rows past the head's last packed key are zero (the P V and dS K GEMMs read keys
+        // < n_keys only; this keeps any read past them harmless).
+        for (int64_t key = k0 + cols; key < sh.Lk_pad; ++key) {
           for (int64_t c = 0; pk.vp && c < sh.Dv_pad; c += NR)
             std::fill_n(pk.vp + bh * pk.vp_head + (c / NR) * sh.Lk_pad * NR + key * NR, NR, A(0));
           for (int64_t c = 0; pk.kp && c < sh.D_pad; c += NR)
@@ -255,27 +271,28 @@ inline Vectorized<A> exp2_nonpositive(const Vectorized<A>& x) {
   return x.exp2();
 }
 
-// Scores of one row, in place, in log2 units: s_j = mul * s_j + log2(e) * float mask, -inf where
-// the bool mask is false, the key is padding, causality forbids it, or j >= n_keys (keys
-// k0 .. k0 + n_keys of query qi). mul is scale * log2(e) (Q K^T comes unscaled from the GEMM in
-// both passes). Returns the row max (-inf if no key is allowed).
+// Scores of one row, in place over [0, cols) (cols = Shape::block_cols(n_keys)), in log2 units:
+// s_j = mul * s_j + log2(e) * float mask, -inf where the bool mask is false, the key is
+// padding, causality forbids it, or j >= n_keys (keys k0 .. k0 + n_keys of query qi). mul is
+// scale * log2(e) (Q K^T comes unscaled from the GEMM in both passes). Returns the row max
+// (-inf if no key is allowed).
 template <typename A>
 inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b, int64_t h,
-                   int64_t qi, int64_t k0, int64_t n_keys, bool diagonal, A* bias) {
+                   int64_t qi, int64_t k0, int64_t n_keys, int64_t cols, bool diagonal, A* bias) {
   using V = Vectorized<A>;
   constexpr int64_t kV = V::size();
   // Additive bias row: float mask, and -inf for excluded keys. Built only when needed.
-  bool has_bias = n_keys < sh.Bk_pad;
+  bool has_bias = n_keys < cols;
   int64_t allowed_end = n_keys;  // keys j >= allowed_end are excluded (tail or causal)
   if (diagonal) {
     allowed_end = sh.causal_end(qi, k0, n_keys);
     // The causal tile GEMMs (Band::kColsUpTo) may have left entries past allowed_end unwritten.
-    std::fill(s + allowed_end, s + sh.Bk_pad, A(0));
+    std::fill(s + allowed_end, s + cols, A(0));
   }
   has_bias |= allowed_end < n_keys || a.key_padding_mask || a.attn_mask.ptr;
   if (has_bias) {
     std::fill(bias, bias + allowed_end, A(0));
-    std::fill(bias + allowed_end, bias + sh.Bk_pad, kNegInf<A>);
+    std::fill(bias + allowed_end, bias + cols, kNegInf<A>);
     if (a.key_padding_mask) {
       const bool* pad = a.key_padding_mask + b * a.kpm_s[0] + k0 * a.kpm_s[1];
       for (int64_t j = 0; j < allowed_end; ++j)
@@ -303,14 +320,14 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
   V row_max(kNegInf<A>);
   if (has_bias || mul != A(1)) {
     const V mul_v(mul);
-    for (int64_t j = 0; j < sh.Bk_pad; j += kV) {
+    for (int64_t j = 0; j < cols; j += kV) {
       V x = V::loadu(s + j) * mul_v;
       if (has_bias) x = x + V::loadu(bias + j);
       x.store(s + j);
       row_max = at::vec::maximum(row_max, x);
     }
   } else {
-    for (int64_t j = 0; j < sh.Bk_pad; j += kV) row_max = at::vec::maximum(row_max, V::loadu(s + j));
+    for (int64_t j = 0; j < cols; j += kV) row_max = at::vec::maximum(row_max, V::loadu(s + j));
   }
   return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, row_max);
 }

@@ -2,21 +2,21 @@
 //
 // Setup: K is packed once per (batch, kv head) into fp32 K^T blocks and V into fp32 column
 // panels (attention_common.h), in parallel: one read of K and V. Tasks are (batch, head,
-// 64-query block), handed out dynamically (causal tiles differ in cost).
+// 72-query block), handed out dynamically (causal tiles differ in cost).
 // Per task: Q block -> fp32 tile in MR-row panels (the S GEMM streams it sequentially);
 // row_max = -inf, row_sum = 0, acc = 0; for each key block the queries can see (blocks above
 // the causal diagonal are skipped, not masked; inside a tile the diagonal cuts, the GEMMs skip
 // the 6 x 16 micro-tiles wholly above it, see Band in gemm.h):
-//   S = Q_tile K^T_block                       micro-kernel GEMM, 2*64*128*D flops
+//   S = Q_tile K^T_block                       micro-kernel GEMM, 2*72*192*D flops
 //   s = scale * log2(e) * S (+ log2(e) * float mask, -inf where masked): log2 units; online
 //   softmax update (common/online_softmax.h)
 //   P = 2^(s - row_max'), one FMA from S where no mask touches the tile (exactly as the
 //   backward recomputes it, see exp2_row); dropped entries zeroed (Philox, common/philox.h)
-//   acc = alpha * acc + P V_block               micro-kernel GEMM, 2*64*128*Dv flops
+//   acc = alpha * acc + P V_block               micro-kernel GEMM, 2*72*192*Dv flops
 // out = acc / (row_sum * (1 - p)), lse = row_max + log(row_sum) (+inf for fully masked rows).
 // Memory per task: reads its Q block once and every visible packed K/V block (L2-resident for
 // a head at moderate Lk); writes its out block and lse once. The Lq x Lk matrix never exists:
-// the S tile (64 x 128 fp32 = 32 KB) is the only score storage.
+// the S tile (72 x 192 fp32 = 54 KB) is the only score storage.
 #include <vector>
 
 #include "cpu/attention_common.h"
@@ -70,9 +70,9 @@ void attention_fwd_typed(const AttnArgs& a) {
     const int64_t bh_kv = b * sh.Hkv + hkv;
     const int64_t kb_end = sh.kb_end(a, q0 + n_q);
     for (int64_t kb = 0; kb < kb_end; ++kb) {
-      const int64_t k0 = kb * kBlockK, n_keys = std::min(kBlockK, sh.Lk - k0);
+      const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
       // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in both GEMMs.
-      tile_gemm<A>(n_q, sh.Bk_pad, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb, sh), NR,
+      tile_gemm<A>(n_q, cols, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb, sh), NR,
                    sh.D * NR, s_tile, s_ld, false, sh.band(a, q0, kb, Band::kColsUpTo), sh.D * MR);
       const bool diagonal = sh.diagonal(a, q0, kb);
       // P as the backward computes it (Shape::unmasked): straight from S with one FMA per
@@ -81,11 +81,11 @@ void attention_fwd_typed(const AttnArgs& a) {
       const bool unmasked = sh.unmasked(a, q0, kb, score_mul);
       for (int64_t i = 0; i < n_q; ++i) {
         A* s = s_tile + i * s_ld;
-        const A block_max = unmasked ? row_max_of(s, sh.Bk_pad) * score_mul  // log2 units
-                                     : score_row(a, sh, s, score_mul, b, h, q0 + i, k0, n_keys, diagonal, bias);
+        const A block_max = unmasked ? row_max_of(s, cols) * score_mul  // log2 units
+                                     : score_row(a, sh, s, score_mul, b, h, q0 + i, k0, n_keys, cols, diagonal, bias);
         const A new_max = std::max(row_max[i], block_max);
         const A alpha = online_softmax_alpha(row_max[i] * kLn2<A>, new_max * kLn2<A>);
-        const A block_sum = exp2_row(s, sh.Bk_pad, softmax_shift(new_max), unmasked ? score_mul : A(1));
+        const A block_sum = exp2_row(s, cols, softmax_shift(new_max), unmasked ? score_mul : A(1));
         row_sum[i] = alpha * row_sum[i] + block_sum;
         row_max[i] = new_max;
         if (threshold) drop_row(a, s, b, h, q0 + i, k0, n_keys, threshold);
