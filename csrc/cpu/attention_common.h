@@ -50,7 +50,7 @@ struct Shape {
     Bk_pad = round_up_to(std::clamp<int64_t>(Lk, 1, kBlockK), NR);  // the widest block's columns
     n_kb = (Lk + kBlockK - 1) / kBlockK;
     n_qb = (Lq + kBlockQ - 1) / kBlockQ;
-    Lk_pad = round_up_to(Lk, NR) + kRowSlack;  // every packed key column, then zero rows
+    Lk_pad = round_up_to(Lk, NR);  // every packed key (the P V / dS K GEMMs read keys < n_keys)
     causal_shift = a.causal == 2 ? Lk - Lq : 0;
   }
 
@@ -191,7 +191,6 @@ inline void put_rows_transposed_panels(const A* rows, int64_t ld, int64_t n_rows
 
 template <typename T, typename A>
 void pack_kv(const AttnArgs& a, const Shape<A>& sh, const Packed<A>& pk) {
-  constexpr int64_t NR = MicroShape<A>::kNR;
   // Grain: ~64K packed values per task; smaller problems pack on the calling thread (waking a
   // sleeping OpenMP worker costs ~0.1-1 ms on this VM, more than packing a small head).
   const int64_t grain = std::max<int64_t>(1, 65536 / (kBlockK * (sh.D + sh.Dv)));
@@ -221,16 +220,6 @@ void pack_kv(const AttnArgs& a, const Shape<A>& sh, const Packed<A>& pk) {
       for (int64_t j = 0; j < cols; ++j) {
         if (pk.vp) put_row_panels(pk.vp + bh * pk.vp_head, sh.Lk_pad, k0 + j, v_rows + j * sh.Dv_pad, sh.Dv_pad);
         if (pk.kp) put_row_panels(pk.kp + bh * pk.kp_head, sh.Lk_pad, k0 + j, k_rows + j * sh.D_pad, sh.D_pad);
-      }
-      if (kb + 1 == sh.n_kb) {
-        // Rows past the head's last packed key are zero (the P V and dS K GEMMs read keys
-        // < n_keys only; this keeps any read past them harmless).
-        for (int64_t key = k0 + cols; key < sh.Lk_pad; ++key) {
-          for (int64_t c = 0; pk.vp && c < sh.Dv_pad; c += NR)
-            std::fill_n(pk.vp + bh * pk.vp_head + (c / NR) * sh.Lk_pad * NR + key * NR, NR, A(0));
-          for (int64_t c = 0; pk.kp && c < sh.D_pad; c += NR)
-            std::fill_n(pk.kp + bh * pk.kp_head + (c / NR) * sh.Lk_pad * NR + key * NR, NR, A(0));
-        }
       }
     }
   });
