@@ -103,6 +103,17 @@ def test_cpu_matches_eager(tokens, d, hidden, dtype, act, gated, bias):
     _backend_matches_eager("cpu", tokens, d, hidden, dtype, act, gated, bias)
 
 
+# The cpu GEMM's blocking (csrc/cpu/gemm_packed.h) at a shape that crosses every level: K over
+# several 256-deep blocks, N over a 2048-column B block (gated: 4096 interleaved columns), and M
+# over more rows than one K-partial-sum workspace holds (16 MB / (4 B x columns per thread):
+# 2048 or 4096 rows), so row groups and a short last group are exercised. Smooth activations
+# only: among 8.6M pre-activations some lie within fp32 rounding of relu's kink, where relu'
+# of ours (fp32) and of the fp64 oracle may differ (seen: -6.3e-8 in fp64, +1.5e-8 in fp32).
+@pytest.mark.parametrize("act,gated", [("gelu", False), ("silu", True)])
+def test_cpu_matches_eager_across_gemm_blocks(act, gated):
+    _backend_matches_eager("cpu", 4200, 300, 2048, torch.float32, act, gated, True)
+
+
 # The reference is the oracle's twin: a few cases check it.
 @pytest.mark.parametrize(CASE_ARGS, _cases(SHAPES[:2], [torch.float32], per_shape=8)
                          + _cases(LOWP_SHAPES[:1], list(LOWP), per_shape=2))
