@@ -36,8 +36,9 @@
 // first), while the packed route converts while packing. In fp32 MKL was ~10% faster until the
 // packed micro-kernel prefetched its partial-sum tile and unrolled its k loop (gemm_packed.h);
 // since then the packed GEMM measures at or above torch.mm on these shapes (harness, 2 threads,
-// (4096 x 768) x (768 x 3072): median 113-132 GFLOP/s vs torch.mm ~97), so the fused fp32 FFN
-// is no longer behind eager; its margin is the memory passes and allocations it avoids.
+// (4096 x 768) x (768 x 3072): median 113-132 GFLOP/s vs torch.mm ~97), and since its partial
+// sums are stored tile by tile (gemm_packed.h) ~1.1x torch.mm at 2048 x 4096 x 4096, so the fused
+// fp32 FFN's margin over eager is mostly the GEMM, then the memory passes it avoids.
 // Measured (2 threads, fp32, machine shared with other jobs: interleaved medians):
 //   see README.md's FFN table and the ffn suite of fastformer-bench.
 #include <ATen/Parallel.h>
