@@ -239,7 +239,11 @@ inline Vectorized<A> exp2_nonpositive(const Vectorized<A>& x) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<A, float>) {
     using V = Vectorized<float>;
-    const V xc = at::vec::maximum(x, V(-127.0f));  // at::vec::maximum propagates NaN
+#if defined(CPU_CAPABILITY_AVX2)
+    const V xc = _mm256_max_ps(V(-127.0f), x);  // a NaN x is returned as is (second operand)
+#else
+    const V xc = _mm512_max_ps(V(-127.0f), x);
+#endif
     const V n = xc.floor();
     const V f = xc - n;
     V p(0.00187831767834723f);
@@ -340,12 +344,24 @@ inline A exp2_row(A* s, int64_t n_pad, A shift, A mul = A(1)) {
   return reduce_add(sum);
 }
 
+// max(a, b) in one instruction where there is one (a NaN b is skipped: callers get NaN through
+// the scores themselves).
+template <typename A>
+inline Vectorized<A> max_ignoring_nan(const Vectorized<A>& a, const Vectorized<A>& b) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<A, float>) return _mm256_max_ps(b, a);
+#elif defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float>) return _mm512_max_ps(b, a);
+#endif
+  return at::vec::maximum(a, b);
+}
+
 // Maximum of a row of n_pad values (a multiple of the vector width).
 template <typename A>
 inline A row_max_of(const A* s, int64_t n_pad) {
   using V = Vectorized<A>;
   V max_v(kNegInf<A>);
-  for (int64_t j = 0; j < n_pad; j += V::size()) max_v = at::vec::maximum(max_v, V::loadu(s + j));
+  for (int64_t j = 0; j < n_pad; j += V::size()) max_v = max_ignoring_nan(max_v, V::loadu(s + j));
   return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, max_v);
 }
 
