@@ -59,6 +59,9 @@ def _worker(rank, port, out_dir):
                     "losses": losses, "param_sum": float(flat.double().sum())}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
+        # Both ranks done before either tears the group down: without it, one CI run in ~10
+        # aborted in gloo's teardown ("terminate called without an active exception", SIGABRT).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
