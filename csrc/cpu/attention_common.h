@@ -229,6 +229,20 @@ constexpr double kLog2e = 1.4426950408889634;  // scores are kept in log2 units:
 template <typename A>
 constexpr A kLn2 = A(0.6931471805599453);
 
+// max(a, b) in one instruction where there is one (vmaxps; at::vec::maximum is three): a NaN
+// in a is returned, a NaN in b is skipped (the DEFAULT level's fallback returns either NaN).
+// exp2's clamp passes the score as a (NaN stays NaN); a row max passes the running max as a
+// and skips a NaN score, whose P is NaN anyway.
+template <typename A>
+inline Vectorized<A> max_nan_from_first(const Vectorized<A>& a, const Vectorized<A>& b) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<A, float>) return _mm256_max_ps(b, a);  // NaN -> second operand
+#elif defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float>) return _mm512_max_ps(b, a);
+#endif
+  return at::vec::maximum(a, b);
+}
+
 // 2^x for x <= 0 (scores minus the row max, log2 units). AVX2/AVX-512 fp32: floor/fraction
 // split, degree-5 polynomial for 2^f on [0, 1) fitted here with p(0) = 1 and p(1) = 2 exact
 // (2.0e-7 max relative error in fp32; exact at 0 so that a row's max element has P = 1 and a
@@ -239,11 +253,7 @@ inline Vectorized<A> exp2_nonpositive(const Vectorized<A>& x) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<A, float>) {
     using V = Vectorized<float>;
-#if defined(CPU_CAPABILITY_AVX2)
-    const V xc = _mm256_max_ps(V(-127.0f), x);  // a NaN x is returned as is (second operand)
-#else
-    const V xc = _mm512_max_ps(V(-127.0f), x);
-#endif
+    const V xc = max_nan_from_first(x, V(-127.0f));
     const V n = xc.floor();
     const V f = xc - n;
     V p(0.00187831767834723f);
@@ -344,24 +354,12 @@ inline A exp2_row(A* s, int64_t n_pad, A shift, A mul = A(1)) {
   return reduce_add(sum);
 }
 
-// max(a, b) in one instruction where there is one (a NaN b is skipped: callers get NaN through
-// the scores themselves).
-template <typename A>
-inline Vectorized<A> max_ignoring_nan(const Vectorized<A>& a, const Vectorized<A>& b) {
-#if defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<A, float>) return _mm256_max_ps(b, a);
-#elif defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<A, float>) return _mm512_max_ps(b, a);
-#endif
-  return at::vec::maximum(a, b);
-}
-
 // Maximum of a row of n_pad values (a multiple of the vector width).
 template <typename A>
 inline A row_max_of(const A* s, int64_t n_pad) {
   using V = Vectorized<A>;
   V max_v(kNegInf<A>);
-  for (int64_t j = 0; j < n_pad; j += V::size()) max_v = max_ignoring_nan(max_v, V::loadu(s + j));
+  for (int64_t j = 0; j < n_pad; j += V::size()) max_v = max_nan_from_first(max_v, V::loadu(s + j));
   return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, max_v);
 }
 
