@@ -19,16 +19,16 @@
 namespace fastformer::cpu::CPU_CAPABILITY {
 namespace attn {
 
-// Query rows and keys per tile: whole micro-tiles both ways (72 = 12 x 6 = 6 x 12 rows for MR
-// = 6 on AVX2 and 12 on AVX-512; 192 = 32 x 6 = 16 x 12 rows, and 12 x 16 = 6 x 32 columns).
+// Query rows and keys per tile: whole micro-tiles both ways (144 = 24 x 6 = 12 x 12 rows for
+// MR = 6 on AVX2 and 12 on AVX-512; 192 = 32 x 6 = 16 x 12 rows, and 12 x 16 = 6 x 32 columns).
 // Tile GEMMs take queries as rows (S, dP, O += P V, dQ += dS K) or keys (dV += P^T dO,
-// dK += dS^T Q); with the former 64 x 128 tiles both computed a partial last micro-row (66 of
-// 64 query rows, 132 of 128 key rows, the last one stored through the masked path). The S tile
-// (72 x 192 fp32, 54 KB) and a K^T block (48 KB at D = 64) stay in L2 while the micro-kernel
-// streams them. Two threads, the old and the new extension loaded side by side in one process
-// and called alternately, medians of 8-10 calls: forward + backward (1, 8, 2048, 64) 1.06x and
-// (1, 4, 4096, 128) 1.09x, forward (1, 16, 4096, 128) 1.12x, (8, 12, 128, 64) within 1%.
-constexpr int64_t kBlockQ = 72;
+// dK += dS^T Q). The backward's dV and dK GEMMs run over the tile's queries: every micro-tile
+// of them loads and stores its 6 x 16 accumulator once per kBlockQ queries, and 144 halves
+// that overhead against 72 (their S / P tiles, 144 x 192 fp32 = 108 KB, still come from L2).
+// Measured side by side (the builds loaded in one process under distinct module names, called
+// alternately, medians of 5): forward + backward (1, 16, 4096, 128) 1.01x (72 -> 144, with
+// the micro-kernel unrolled, gemm.h); 96, 120 and 216 rows, or 96 / 256 keys, no better.
+constexpr int64_t kBlockQ = 144;
 constexpr int64_t kBlockK = 192;
 
 template <typename A>
