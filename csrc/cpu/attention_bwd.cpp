@@ -1,7 +1,7 @@
 // Flash attention backward on CPU (semantics and formulas: fastformer/reference/attention.py).
 //
 // Recomputes the probabilities tile by tile from the saved lse; no Lq x Lk buffer:
-//   delta_i = sum_d dO_id O_id                                  (pre-pass over all rows)
+//   delta_i = sum_d dO_id O_id                    (per head, while its dO rows are packed)
 //   per (query block, key block) tile:
 //     S   = Q K^T                     P = exp(scale * S + mask - lse)   (0 where masked)
 //     dP  = dO V^T                    with dropout: P' = P keep/(1-p), dP' = dP keep/(1-p)
@@ -14,13 +14,15 @@
 // Parallelism: tasks are (batch, kv head, key chunk). A task owns dK and dV of its keys for all
 // the query heads of its kv head (GQA sums need no atomics) and walks every query block that
 // can see them (causal: those at or below the diagonal). dQ of a head gets contributions from
-// every key chunk, so each chunk writes its own fp32 dQ partial, summed in chunk order at the
-// end. The chunk count depends on the shape only (not on the thread count): results are
-// bitwise identical for any number of threads.
-// Memory: K^T, V^T, K (fp32, packed once); per task Q and dO of one head in fp32 (MR-row
-// panels for the A operands, column panels for the B operands) and dK,
-// dV accumulators of its keys; dQ partials (chunks x B x H x Lq x D fp32; one chunk unless
-// B * Hkv < kMinTasks).
+// every key chunk: with one chunk (B * Hkv >= kMinTasks) the task accumulates it in its own
+// fp32 buffer and writes it when the head is done; with several, each chunk writes its own fp32
+// dQ partial, summed in chunk order at the end. The chunk count depends on the shape only (not
+// on the thread count): results are bitwise identical for any number of threads.
+// Memory, per task (the thread's scratch): its key blocks packed as K^T, V^T and K (fp32,
+// Packed, written and read back from cache, never a whole-tensor copy in memory); Q and dO of
+// one head in fp32 (MR-row panels for the A operands, column panels for the B operands); dK,
+// dV accumulators of its keys; one head's dQ (one chunk) or the shared dQ partials (chunks x B
+// x H x Lq x D fp32). Reads q, k, v, out, dout once per task (k, v: its keys only).
 #include <vector>
 
 #include "cpu/attention_common.h"
@@ -39,29 +41,25 @@ void attention_bwd_typed(const AttnArgs& a) {
   constexpr int64_t kV = V::size();
   constexpr int64_t NR = MicroShape<A>::kNR;
   const Shape<A> sh(a);
-  const Packed<A> pk(sh, /*backward=*/true);
-  pack_kv<T, A>(a, sh, pk);
-
-  // delta_i = sum_d dO_id * O_id
-  A* const delta = thread_scratch<A, 23>(sh.B * sh.H * sh.Lq);
-  at::parallel_for(0, sh.B * sh.H * sh.Lq, 256, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t i = r % sh.Lq, bh = r / sh.Lq;
-      const T* o = row_ptr<T>(a.out, bh / sh.H, bh % sh.H, i);
-      const T* dout = row_ptr<T>(a.dout, bh / sh.H, bh % sh.H, i);
-      V sum(A(0));
-      int64_t d = 0;
-      for (; d + kV <= sh.Dv; d += kV) sum = at::vec::fmadd(load_acc(o + d), load_acc(dout + d), sum);
-      if (d < sh.Dv) sum = at::vec::fmadd(load_acc(o + d, sh.Dv - d), load_acc(dout + d, sh.Dv - d), sum);
-      delta[r] = reduce_add(sum);
-    }
-  });
 
   const int64_t n_chunks = std::clamp<int64_t>((kMinTasks + sh.B * sh.Hkv - 1) / (sh.B * sh.Hkv), 1, sh.n_kb);
   const int64_t kb_per_chunk = (sh.n_kb + n_chunks - 1) / n_chunks;
   const int64_t dq_head = (sh.Lq + kRowSlack) * sh.D_pad;
-  A* const dq_part = thread_scratch<A, 24>(n_chunks * sh.B * sh.H * dq_head);
-  std::fill(dq_part, dq_part + n_chunks * sh.B * sh.H * dq_head, A(0));
+  // One chunk: a task sees every key of its heads, so it writes their dQ itself from one
+  // per-thread accumulator. Several: fp32 partials per chunk, summed after all tasks.
+  const bool task_owns_dq = n_chunks == 1;
+  A* const dq_part = task_owns_dq ? nullptr : thread_scratch<A, 24>(n_chunks * sh.B * sh.H * dq_head);
+  if (!task_owns_dq) std::fill(dq_part, dq_part + n_chunks * sh.B * sh.H * dq_head, A(0));
+  // dQ row i of head bh = scale * (the sum of `parts` partial rows part[c * part_stride], in order).
+  const V dq_scale(static_cast<A>(a.scale));
+  auto store_dq_row = [&](int64_t bh, int64_t i, const A* part, int64_t part_stride, int64_t parts) {
+    T* dq_row = const_cast<T*>(row_ptr<T>(a.dq, bh / sh.H, bh % sh.H, i));
+    for (int64_t d = 0; d < sh.D; d += kV) {
+      V sum = V::loadu(part + d);
+      for (int64_t c = 1; c < parts; ++c) sum = sum + V::loadu(part + c * part_stride + d);
+      store_acc(dq_row + d, sum * dq_scale, std::min(kV, sh.D - d));
+    }
+  };
 
   const uint32_t threshold = a.dropout_p > 0 ? dropout_threshold(a.dropout_p) : 0;
   const A drop_scale = a.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - a.dropout_p) : A(1);
@@ -91,6 +89,16 @@ void attention_bwd_typed(const AttnArgs& a) {
     A* const ds_tile = thread_scratch<A, 30>((kBlockQ + kRowSlack) * s_ld);
     A* const pd_tile = threshold ? thread_scratch<A, 31>((kBlockQ + kRowSlack) * s_ld) : p_tile;
     A* const bias = thread_scratch<A, 32>(sh.Bk_pad);
+    A* const o_i = thread_scratch<A, 37>(sh.Dv_pad);
+    A* const delta_h = thread_scratch<A, 23>(sh.Lq);  // delta of the current head
+    A* const dq_own = task_owns_dq ? thread_scratch<A, 38>(dq_head) : nullptr;
+    // This task's key blocks, packed into its thread's buffers (see Packed).
+    const Packed<A> pk(sh, 1, kb1 - kb0, /*backward=*/true);
+    {
+      A* const k_rows = thread_scratch<A, 44>(sh.Bk_pad * sh.D_pad);
+      A* const v_rows = thread_scratch<A, 45>(sh.Bk_pad * sh.Dv_pad);
+      for (int64_t kb = kb0; kb < kb1; ++kb) pack_kv_block<T, A>(a, sh, pk, b, hkv, kb, 0, kb - kb0, k_rows, v_rows);
+    }
     std::fill(dk_acc, dk_acc + (n_chunk_keys + kRowSlack) * sh.D_pad, A(0));
     std::fill(dv_acc, dv_acc + (n_chunk_keys + kRowSlack) * sh.Dv_pad, A(0));
 
@@ -103,6 +111,11 @@ void attention_bwd_typed(const AttnArgs& a) {
         if (i < sh.Lq) {
           load_row(row_ptr<T>(a.q, b, h, i), sh.D, sh.D_pad, q_i);
           load_row(row_ptr<T>(a.dout, b, h, i), sh.Dv, sh.Dv_pad, do_i);
+          // delta_i = sum_d dO_id O_id (the padding columns are zero in both)
+          load_row(row_ptr<T>(a.out, b, h, i), sh.Dv, sh.Dv_pad, o_i);
+          V sum(A(0));
+          for (int64_t d = 0; d < sh.Dv_pad; d += kV) sum = at::vec::fmadd(V::loadu(o_i + d), V::loadu(do_i + d), sum);
+          delta_h[i] = reduce_add(sum);
         } else {
           std::fill(q_i, q_i + sh.D_pad, A(0));
           std::fill(do_i, do_i + sh.Dv_pad, A(0));
@@ -114,9 +127,9 @@ void attention_bwd_typed(const AttnArgs& a) {
           put_row_mr_panels(do_pk + (i / kBlockQ) * do_pk_block, i % kBlockQ, do_i, sh.Dv);
         }
       }
-      A* const dq = dq_part + (chunk * sh.B * sh.H + b * sh.H + h) * dq_head;
+      A* const dq = task_owns_dq ? dq_own : dq_part + (chunk * sh.B * sh.H + b * sh.H + h) * dq_head;
+      if (task_owns_dq) std::fill(dq, dq + dq_head, A(0));
       const A* lse_h = lse + (b * sh.H + h) * sh.Lq;
-      const A* delta_h = delta + (b * sh.H + h) * sh.Lq;
 
       for (int64_t kb = kb0; kb < kb1; ++kb) {
         const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
@@ -130,9 +143,9 @@ void attention_bwd_typed(const AttnArgs& a) {
           // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in all five GEMMs.
           const Band cols_band = sh.band(a, q0, kb, Band::kColsUpTo);
           const int64_t qb = q0 / kBlockQ;
-          tile_gemm<A>(n_q, cols, sh.D, q_pk + qb * q_pk_block, 1, MR, pk.kt_block(bhkv, kb, sh),
+          tile_gemm<A>(n_q, cols, sh.D, q_pk + qb * q_pk_block, 1, MR, pk.kt_block(0, kb - kb0),
                        NR, sh.D * NR, p_tile, s_ld, false, cols_band, sh.D * MR);
-          tile_gemm<A>(n_q, cols, sh.Dv, do_pk + qb * do_pk_block, 1, MR, pk.vt_block(bhkv, kb, sh),
+          tile_gemm<A>(n_q, cols, sh.Dv, do_pk + qb * do_pk_block, 1, MR, pk.vt_block(0, kb - kb0),
                        NR, sh.Dv * NR, ds_tile, s_ld, false, cols_band, sh.Dv * MR);
           // P exactly as the forward computed it (Shape::unmasked): straight from S with one FMA
           // (exp2_row's mul), or after score_row's scale and bias. Unmasked tiles without
@@ -191,10 +204,12 @@ void attention_bwd_typed(const AttnArgs& a) {
                        dv_blk, sh.Dv_pad, true, keys_band);
           tile_gemm<A>(n_keys, sh.D, n_q, ds_tile, 1, s_ld, q_p + q0 * NR, NR, q_rows * NR,
                        dk_blk, sh.D_pad, true, keys_band);
-          tile_gemm<A>(n_q, sh.D, n_keys, ds_tile, s_ld, 1, pk.kp_keys(bhkv, k0), NR,
-                       sh.Lk_pad * NR, dq + q0 * sh.D_pad, sh.D_pad, true, inner_band);
+          tile_gemm<A>(n_q, sh.D, n_keys, ds_tile, s_ld, 1, pk.kp_block(0, kb - kb0), NR,
+                       sh.Bk_pad * NR, dq + q0 * sh.D_pad, sh.D_pad, true, inner_band);
         }
       }
+      if (task_owns_dq)
+        for (int64_t i = 0; i < sh.Lq; ++i) store_dq_row(b * sh.H + h, i, dq + i * sh.D_pad, 0, 1);
     }
     // dK = scale * dS^T Q, dV as accumulated: write this task's keys.
     const V scale_v(static_cast<A>(a.scale));
@@ -208,20 +223,15 @@ void attention_bwd_typed(const AttnArgs& a) {
     }
   });
 
-  // dQ = scale * sum over chunks (in chunk order) of the partials.
-  const V scale_v(static_cast<A>(a.scale));
-  at::parallel_for(0, sh.B * sh.H * sh.Lq, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t i = r % sh.Lq, bh = r / sh.Lq;
-      T* dq_row = const_cast<T*>(row_ptr<T>(a.dq, bh / sh.H, bh % sh.H, i));
-      for (int64_t d = 0; d < sh.D; d += kV) {
-        V sum = V::loadu(dq_part + bh * dq_head + i * sh.D_pad + d);
-        for (int64_t c = 1; c < n_chunks; ++c)
-          sum = sum + V::loadu(dq_part + (c * sh.B * sh.H + bh) * dq_head + i * sh.D_pad + d);
-        store_acc(dq_row + d, sum * scale_v, std::min(kV, sh.D - d));
+  // dQ = scale * the sum over chunks (in chunk order) of the partials.
+  if (!task_owns_dq) {
+    at::parallel_for(0, sh.B * sh.H * sh.Lq, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t i = r % sh.Lq, bh = r / sh.Lq;
+        store_dq_row(bh, i, dq_part + bh * dq_head + i * sh.D_pad, sh.B * sh.H * dq_head, n_chunks);
       }
-    }
-  });
+    });
+  }
 }
 
 }  // namespace

@@ -39,7 +39,7 @@ constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 template <typename A>
 struct Shape {
   int64_t B, H, Hkv, G, Lq, Lk, D, Dv;
-  int64_t D_pad, Dv_pad, Bk_pad, n_kb, n_qb, Lk_pad;
+  int64_t D_pad, Dv_pad, Bk_pad, n_kb, n_qb;
   int64_t causal_shift;  // key j is allowed for query i iff j <= i + causal_shift (when causal)
 
   explicit Shape(const AttnArgs& a) {
@@ -50,7 +50,6 @@ struct Shape {
     Bk_pad = round_up_to(std::clamp<int64_t>(Lk, 1, kBlockK), NR);  // the widest block's columns
     n_kb = (Lk + kBlockK - 1) / kBlockK;
     n_qb = (Lq + kBlockQ - 1) / kBlockQ;
-    Lk_pad = round_up_to(Lk, NR);  // every packed key (the P V / dS K GEMMs read keys < n_keys)
     causal_shift = a.causal == 2 ? Lk - Lq : 0;
   }
 
@@ -108,37 +107,39 @@ inline void load_row(const T* src, int64_t n, int64_t n_pad, A* dst) {
 }
 
 // Packed operands, all fp32 (fp64 for fp64), zero padded, panel-major for the micro-kernel
-// (see tile_gemm in gemm.h), per (batch, kv head):
-//   kt: K^T blocks     [n_kb][Bk_pad/NR][D][NR]   B of S = Q K^T          (forward, backward)
-//   vt: V^T blocks     [n_kb][Bk_pad/NR][Dv][NR]  B of dP = dO V^T        (backward)
-//   vp: V by columns   [Dv_pad/NR][Lk_pad][NR]    B of O += P V           (forward)
-//   kp: K by columns   [D_pad/NR][Lk_pad][NR]     B of dQ += dS K         (backward)
-// Built in parallel over (batch, kv head, key block): one read of K and V, one write of each
-// packed copy. Null pointers skip a layout.
+// (see tile_gemm in gemm.h), per (batch, kv head) and key block (a block's panels contiguous):
+//   kt: K^T blocks     [blocks][Bk_pad/NR][D][NR]     B of S = Q K^T          (forward, backward)
+//   vt: V^T blocks     [blocks][Bk_pad/NR][Dv][NR]    B of dP = dO V^T        (backward)
+//   vp: V by columns   [blocks][Dv_pad/NR][Bk_pad][NR] B of O += P V          (forward)
+//   kp: K by columns   [blocks][D_pad/NR][Bk_pad][NR]  B of dQ += dS K        (backward)
+// The forward packs every (batch, kv head) up front, in parallel (its tasks are query blocks
+// of a head and share the head's packed blocks); each backward task packs the key blocks it
+// owns into its thread's buffers (heads = 1), so they are written to and read back from cache,
+// not memory. Null pointers skip a layout.
 template <typename A>
 struct Packed {
   A *kt = nullptr, *vt = nullptr, *vp = nullptr, *kp = nullptr;
-  int64_t kt_head = 0, vt_head = 0, vp_head = 0, kp_head = 0;
+  int64_t kt_block_size = 0, vt_block_size = 0, vp_block_size = 0, kp_block_size = 0;
+  int64_t blocks = 0;  // key blocks per head
 
-  Packed(const Shape<A>& sh, bool backward) {
-    const int64_t heads = sh.B * sh.Hkv;
-    kt_head = sh.n_kb * sh.Bk_pad * sh.D;
-    kt = thread_scratch<A, 40>(heads * kt_head);
+  Packed(const Shape<A>& sh, int64_t heads, int64_t blocks_per_head, bool backward) : blocks(blocks_per_head) {
+    kt_block_size = sh.Bk_pad * sh.D;
+    kt = thread_scratch<A, 40>(heads * blocks * kt_block_size);
     if (backward) {
-      vt_head = sh.n_kb * sh.Bk_pad * sh.Dv;
-      kp_head = sh.D_pad * sh.Lk_pad;
-      vt = thread_scratch<A, 41>(heads * vt_head);
-      kp = thread_scratch<A, 42>(heads * kp_head);
+      vt_block_size = sh.Bk_pad * sh.Dv;
+      kp_block_size = sh.Bk_pad * sh.D_pad;
+      vt = thread_scratch<A, 41>(heads * blocks * vt_block_size);
+      kp = thread_scratch<A, 42>(heads * blocks * kp_block_size);
     } else {
-      vp_head = sh.Dv_pad * sh.Lk_pad;
-      vp = thread_scratch<A, 43>(heads * vp_head);
+      vp_block_size = sh.Bk_pad * sh.Dv_pad;
+      vp = thread_scratch<A, 43>(heads * blocks * vp_block_size);
     }
   }
-  // B operands of one key block (kt, vt) or of the keys from k0 on (vp, kp).
-  const A* kt_block(int64_t bh, int64_t kb, const Shape<A>& sh) const { return kt + bh * kt_head + kb * sh.Bk_pad * sh.D; }
-  const A* vt_block(int64_t bh, int64_t kb, const Shape<A>& sh) const { return vt + bh * vt_head + kb * sh.Bk_pad * sh.Dv; }
-  const A* vp_keys(int64_t bh, int64_t k0) const { return vp + bh * vp_head + k0 * MicroShape<A>::kNR; }
-  const A* kp_keys(int64_t bh, int64_t k0) const { return kp + bh * kp_head + k0 * MicroShape<A>::kNR; }
+  // B operands of block `blk` of head `bh` (vp, kp: panel stride Bk_pad * NR).
+  A* kt_block(int64_t bh, int64_t blk) const { return kt + (bh * blocks + blk) * kt_block_size; }
+  A* vt_block(int64_t bh, int64_t blk) const { return vt + (bh * blocks + blk) * vt_block_size; }
+  A* vp_block(int64_t bh, int64_t blk) const { return vp + (bh * blocks + blk) * vp_block_size; }
+  A* kp_block(int64_t bh, int64_t blk) const { return kp + (bh * blocks + blk) * kp_block_size; }
 };
 
 // Writes row `key` (n values, zero padded to n_pad) as element (key, c) of a panel-major
@@ -189,38 +190,45 @@ inline void put_rows_transposed_panels(const A* rows, int64_t ld, int64_t n_rows
   }
 }
 
+// Packs key block kb of kv head (b, h) into block `blk` of packed head `dst_head`. k_rows,
+// v_rows: Bk_pad x D_pad and Bk_pad x Dv_pad scratch.
+template <typename T, typename A>
+void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, const Packed<A>& pk, int64_t b, int64_t h,
+                   int64_t kb, int64_t dst_head, int64_t blk, A* k_rows, A* v_rows) {
+  // Only the block's score columns (Shape::block_cols): the panels of a short last block past
+  // them are never read (its tile GEMMs stop there), so they are not written either.
+  const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
+  for (int64_t j = 0; j < cols; ++j) {
+    A* k_row = k_rows + j * sh.D_pad;
+    A* v_row = v_rows + j * sh.Dv_pad;
+    if (j < n_keys) {
+      load_row(row_ptr<T>(a.k, b, h, k0 + j), sh.D, sh.D_pad, k_row);
+      load_row(row_ptr<T>(a.v, b, h, k0 + j), sh.Dv, sh.Dv_pad, v_row);
+    } else {
+      std::fill(k_row, k_row + sh.D_pad, A(0));
+      std::fill(v_row, v_row + sh.Dv_pad, A(0));
+    }
+  }
+  put_rows_transposed_panels(k_rows, sh.D_pad, cols, sh.D, pk.kt_block(dst_head, blk));
+  if (pk.vt) put_rows_transposed_panels(v_rows, sh.Dv_pad, cols, sh.Dv, pk.vt_block(dst_head, blk));
+  for (int64_t j = 0; j < cols; ++j) {
+    if (pk.vp) put_row_panels(pk.vp_block(dst_head, blk), sh.Bk_pad, j, v_rows + j * sh.Dv_pad, sh.Dv_pad);
+    if (pk.kp) put_row_panels(pk.kp_block(dst_head, blk), sh.Bk_pad, j, k_rows + j * sh.D_pad, sh.D_pad);
+  }
+}
+
+// Every (batch, kv head, key block) into pk (heads = B * Hkv, blocks = n_kb), in parallel.
 template <typename T, typename A>
 void pack_kv(const AttnArgs& a, const Shape<A>& sh, const Packed<A>& pk) {
   // Grain: ~64K packed values per task; smaller problems pack on the calling thread (waking a
   // sleeping OpenMP worker costs ~0.1-1 ms on this VM, more than packing a small head).
   const int64_t grain = std::max<int64_t>(1, 65536 / (kBlockK * (sh.D + sh.Dv)));
   at::parallel_for(0, sh.B * sh.Hkv * sh.n_kb, grain, [&](int64_t t0, int64_t t1) {
-    // One key block's K and V rows in the accumulation type, zero padded (rows >= n_keys too).
     A* const k_rows = thread_scratch<A, 44>(sh.Bk_pad * sh.D_pad);
     A* const v_rows = thread_scratch<A, 45>(sh.Bk_pad * sh.Dv_pad);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / sh.n_kb, kb = t % sh.n_kb;
-      const int64_t b = bh / sh.Hkv, h = bh % sh.Hkv;
-      // Only the block's score columns (Shape::block_cols): the panels of a short last block
-      // past them are never read (its tile GEMMs stop there), so they are not written either.
-      const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
-      for (int64_t j = 0; j < cols; ++j) {
-        A* k_row = k_rows + j * sh.D_pad;
-        A* v_row = v_rows + j * sh.Dv_pad;
-        if (j < n_keys) {
-          load_row(row_ptr<T>(a.k, b, h, k0 + j), sh.D, sh.D_pad, k_row);
-          load_row(row_ptr<T>(a.v, b, h, k0 + j), sh.Dv, sh.Dv_pad, v_row);
-        } else {
-          std::fill(k_row, k_row + sh.D_pad, A(0));
-          std::fill(v_row, v_row + sh.Dv_pad, A(0));
-        }
-      }
-      put_rows_transposed_panels(k_rows, sh.D_pad, cols, sh.D, pk.kt + bh * pk.kt_head + kb * sh.Bk_pad * sh.D);
-      if (pk.vt) put_rows_transposed_panels(v_rows, sh.Dv_pad, cols, sh.Dv, pk.vt + bh * pk.vt_head + kb * sh.Bk_pad * sh.Dv);
-      for (int64_t j = 0; j < cols; ++j) {
-        if (pk.vp) put_row_panels(pk.vp + bh * pk.vp_head, sh.Lk_pad, k0 + j, v_rows + j * sh.Dv_pad, sh.Dv_pad);
-        if (pk.kp) put_row_panels(pk.kp + bh * pk.kp_head, sh.Lk_pad, k0 + j, k_rows + j * sh.D_pad, sh.D_pad);
-      }
+      pack_kv_block<T, A>(a, sh, pk, bh / sh.Hkv, bh % sh.Hkv, kb, bh, kb, k_rows, v_rows);
     }
   });
 }

@@ -32,7 +32,7 @@ void attention_fwd_typed(const AttnArgs& a) {
   using V = Vectorized<A>;
   constexpr int64_t NR = MicroShape<A>::kNR;
   const Shape<A> sh(a);
-  const Packed<A> pk(sh, /*backward=*/false);
+  const Packed<A> pk(sh, sh.B * sh.Hkv, sh.n_kb, /*backward=*/false);
   pack_kv<T, A>(a, sh, pk);
 
   const uint32_t threshold = a.dropout_p > 0 ? dropout_threshold(a.dropout_p) : 0;
@@ -72,7 +72,7 @@ void attention_fwd_typed(const AttnArgs& a) {
     for (int64_t kb = 0; kb < kb_end; ++kb) {
       const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
       // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in both GEMMs.
-      tile_gemm<A>(n_q, cols, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb, sh), NR,
+      tile_gemm<A>(n_q, cols, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb), NR,
                    sh.D * NR, s_tile, s_ld, false, sh.band(a, q0, kb, Band::kColsUpTo), sh.D * MR);
       const bool diagonal = sh.diagonal(a, q0, kb);
       // P as the backward computes it (Shape::unmasked): straight from S with one FMA per
@@ -95,8 +95,8 @@ void attention_fwd_typed(const AttnArgs& a) {
           for (int64_t d = 0; d < sh.Dv_pad; d += V::size()) (V::loadu(acc_i + d) * alpha_v).store(acc_i + d);
         }
       }
-      tile_gemm<A>(n_q, sh.Dv, n_keys, s_tile, s_ld, 1, pk.vp_keys(bh_kv, k0), NR,
-                   sh.Lk_pad * NR, acc, sh.Dv_pad, true, sh.band(a, q0, kb, Band::kInnerUpTo));
+      tile_gemm<A>(n_q, sh.Dv, n_keys, s_tile, s_ld, 1, pk.vp_block(bh_kv, kb), NR,
+                   sh.Bk_pad * NR, acc, sh.Dv_pad, true, sh.band(a, q0, kb, Band::kInnerUpTo));
     }
 
     for (int64_t i = 0; i < n_q; ++i) {
