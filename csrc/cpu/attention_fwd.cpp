@@ -84,7 +84,8 @@ void attention_fwd_typed(const AttnArgs& a) {
         const A block_max = unmasked ? row_max_of(s, cols) * score_mul  // log2 units
                                      : score_row(a, sh, s, score_mul, b, h, q0 + i, k0, n_keys, cols, diagonal, bias);
         const A new_max = std::max(row_max[i], block_max);
-        const A alpha = online_softmax_alpha(row_max[i] * kLn2<A>, new_max * kLn2<A>);
+        // alpha = 1 exactly when the max did not move (most key blocks): no exp call.
+        const A alpha = new_max == row_max[i] ? A(1) : online_softmax_alpha(row_max[i] * kLn2<A>, new_max * kLn2<A>);
         const A block_sum = exp2_row(s, cols, softmax_shift(new_max), unmasked ? score_mul : A(1));
         row_sum[i] = alpha * row_sum[i] + block_sum;
         row_max[i] = new_max;
