@@ -92,13 +92,10 @@ void attention_bwd_typed(const AttnArgs& a) {
     A* const o_i = thread_scratch<A, 37>(sh.Dv_pad);
     A* const delta_h = thread_scratch<A, 23>(sh.Lq);  // delta of the current head
     A* const dq_own = task_owns_dq ? thread_scratch<A, 38>(dq_head) : nullptr;
-    // This task's key blocks, packed into its thread's buffers (see Packed).
-    const Packed<A> pk(sh, 1, kb1 - kb0, /*backward=*/true);
-    {
-      A* const k_rows = thread_scratch<A, 44>(sh.Bk_pad * sh.D_pad);
-      A* const v_rows = thread_scratch<A, 45>(sh.Bk_pad * sh.Dv_pad);
-      for (int64_t kb = kb0; kb < kb1; ++kb) pack_kv_block<T, A>(a, sh, pk, b, hkv, kb, 0, kb - kb0, k_rows, v_rows);
-    }
+    // This task's key blocks, packed into its thread's buffers (see Packed); read-only below.
+    Packed<A> packing(sh, 1, kb1 - kb0, /*backward=*/true);
+    for (int64_t kb = kb0; kb < kb1; ++kb) pack_kv_block<T, A>(a, sh, packing, b, hkv, kb, 0, kb - kb0);
+    const Packed<A>& pk = packing;
     std::fill(dk_acc, dk_acc + (n_chunk_keys + kRowSlack) * sh.D_pad, A(0));
     std::fill(dv_acc, dv_acc + (n_chunk_keys + kRowSlack) * sh.Dv_pad, A(0));
 

@@ -135,11 +135,19 @@ struct Packed {
       vp = thread_scratch<A, 43>(heads * blocks * vp_block_size);
     }
   }
-  // B operands of block `blk` of head `bh` (vp, kp: panel stride Bk_pad * NR).
-  A* kt_block(int64_t bh, int64_t blk) const { return kt + (bh * blocks + blk) * kt_block_size; }
-  A* vt_block(int64_t bh, int64_t blk) const { return vt + (bh * blocks + blk) * vt_block_size; }
-  A* vp_block(int64_t bh, int64_t blk) const { return vp + (bh * blocks + blk) * vp_block_size; }
-  A* kp_block(int64_t bh, int64_t blk) const { return kp + (bh * blocks + blk) * kp_block_size; }
+  // B operands of block `blk` of head `bh` (vp, kp: panel stride Bk_pad * NR): read-only
+  // through a const Packed (the GEMMs), writable through a mutable one (pack_kv_block).
+  const A* kt_block(int64_t bh, int64_t blk) const { return block(kt, kt_block_size, bh, blk); }
+  const A* vt_block(int64_t bh, int64_t blk) const { return block(vt, vt_block_size, bh, blk); }
+  const A* vp_block(int64_t bh, int64_t blk) const { return block(vp, vp_block_size, bh, blk); }
+  const A* kp_block(int64_t bh, int64_t blk) const { return block(kp, kp_block_size, bh, blk); }
+  A* kt_block(int64_t bh, int64_t blk) { return block(kt, kt_block_size, bh, blk); }
+  A* vt_block(int64_t bh, int64_t blk) { return block(vt, vt_block_size, bh, blk); }
+  A* vp_block(int64_t bh, int64_t blk) { return block(vp, vp_block_size, bh, blk); }
+  A* kp_block(int64_t bh, int64_t blk) { return block(kp, kp_block_size, bh, blk); }
+
+ private:
+  A* block(A* base, int64_t block_size, int64_t bh, int64_t blk) const { return base + (bh * blocks + blk) * block_size; }
 };
 
 // Writes row `key` (n values, zero padded to n_pad) as element (key, c) of a panel-major
@@ -190,11 +198,13 @@ inline void put_rows_transposed_panels(const A* rows, int64_t ld, int64_t n_rows
   }
 }
 
-// Packs key block kb of kv head (b, h) into block `blk` of packed head `dst_head`. k_rows,
-// v_rows: Bk_pad x D_pad and Bk_pad x Dv_pad scratch.
+// Packs key block kb of kv head (b, h) into block `blk` of packed head `dst_head`, through
+// the block's rows converted to fp32 in the calling thread's scratch.
 template <typename T, typename A>
-void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, const Packed<A>& pk, int64_t b, int64_t h,
-                   int64_t kb, int64_t dst_head, int64_t blk, A* k_rows, A* v_rows) {
+void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t b, int64_t h,
+                   int64_t kb, int64_t dst_head, int64_t blk) {
+  A* const k_rows = thread_scratch<A, 44>(sh.Bk_pad * sh.D_pad);
+  A* const v_rows = thread_scratch<A, 45>(sh.Bk_pad * sh.Dv_pad);
   // Only the block's score columns (Shape::block_cols): the panels of a short last block past
   // them are never read (its tile GEMMs stop there), so they are not written either.
   const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
@@ -219,16 +229,14 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, const Packed<A>& pk, i
 
 // Every (batch, kv head, key block) into pk (heads = B * Hkv, blocks = n_kb), in parallel.
 template <typename T, typename A>
-void pack_kv(const AttnArgs& a, const Shape<A>& sh, const Packed<A>& pk) {
+void pack_kv(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk) {
   // Grain: ~64K packed values per task; smaller problems pack on the calling thread (waking a
   // sleeping OpenMP worker costs ~0.1-1 ms on this VM, more than packing a small head).
   const int64_t grain = std::max<int64_t>(1, 65536 / (kBlockK * (sh.D + sh.Dv)));
   at::parallel_for(0, sh.B * sh.Hkv * sh.n_kb, grain, [&](int64_t t0, int64_t t1) {
-    A* const k_rows = thread_scratch<A, 44>(sh.Bk_pad * sh.D_pad);
-    A* const v_rows = thread_scratch<A, 45>(sh.Bk_pad * sh.Dv_pad);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t bh = t / sh.n_kb, kb = t % sh.n_kb;
-      pack_kv_block<T, A>(a, sh, pk, bh / sh.Hkv, bh % sh.Hkv, kb, bh, kb, k_rows, v_rows);
+      pack_kv_block<T, A>(a, sh, pk, bh / sh.Hkv, bh % sh.Hkv, kb, bh, kb);
     }
   });
 }

@@ -32,8 +32,9 @@ void attention_fwd_typed(const AttnArgs& a) {
   using V = Vectorized<A>;
   constexpr int64_t NR = MicroShape<A>::kNR;
   const Shape<A> sh(a);
-  const Packed<A> pk(sh, sh.B * sh.Hkv, sh.n_kb, /*backward=*/false);
-  pack_kv<T, A>(a, sh, pk);
+  Packed<A> packing(sh, sh.B * sh.Hkv, sh.n_kb, /*backward=*/false);
+  pack_kv<T, A>(a, sh, packing);
+  const Packed<A>& pk = packing;  // read-only in the tasks
 
   const uint32_t threshold = a.dropout_p > 0 ? dropout_threshold(a.dropout_p) : 0;
   const A out_scale = a.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - a.dropout_p) : A(1);
