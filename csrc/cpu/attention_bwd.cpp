@@ -89,7 +89,6 @@ void attention_bwd_typed(const AttnArgs& a) {
     A* const ds_tile = thread_scratch<A, 30>((kBlockQ + kRowSlack) * s_ld);
     A* const pd_tile = threshold ? thread_scratch<A, 31>((kBlockQ + kRowSlack) * s_ld) : p_tile;
     A* const bias = thread_scratch<A, 32>(sh.Bk_pad);
-    A* const o_i = thread_scratch<A, 37>(sh.Dv_pad);
     A* const delta_h = thread_scratch<A, 23>(sh.Lq);  // delta of the current head
     A* const dq_own = task_owns_dq ? thread_scratch<A, 38>(dq_head) : nullptr;
     // This task's key blocks, packed into its thread's buffers (see Packed); read-only below.
@@ -108,10 +107,12 @@ void attention_bwd_typed(const AttnArgs& a) {
         if (i < sh.Lq) {
           load_row(row_ptr<T>(a.q, b, h, i), sh.D, sh.D_pad, q_i);
           load_row(row_ptr<T>(a.dout, b, h, i), sh.Dv, sh.Dv_pad, do_i);
-          // delta_i = sum_d dO_id O_id (the padding columns are zero in both)
-          load_row(row_ptr<T>(a.out, b, h, i), sh.Dv, sh.Dv_pad, o_i);
+          // delta_i = sum_d dO_id O_id, O read in place (dO's padding columns are zero)
+          const T* o_row = row_ptr<T>(a.out, b, h, i);
           V sum(A(0));
-          for (int64_t d = 0; d < sh.Dv_pad; d += kV) sum = at::vec::fmadd(V::loadu(o_i + d), V::loadu(do_i + d), sum);
+          int64_t d = 0;
+          for (; d + kV <= sh.Dv; d += kV) sum = at::vec::fmadd(load_acc(o_row + d), V::loadu(do_i + d), sum);
+          if (d < sh.Dv) sum = at::vec::fmadd(load_acc(o_row + d, sh.Dv - d), V::loadu(do_i + d), sum);
           delta_h[i] = reduce_add(sum);
         } else {
           std::fill(q_i, q_i + sh.D_pad, A(0));
