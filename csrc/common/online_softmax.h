@@ -10,9 +10,9 @@
 // masked) keeps m = -inf and l = 0: out = 0 and lse = +inf, so the backward's
 // P = exp(s - lse) is exactly 0 for it (no NaN anywhere).
 //
-// Scores are in natural-log units (scale already applied); CUDA kernels may use exp2 with
-// log2(e) folded into the scale (the *_log2 helpers below: scores, m and the shift are then in
-// log2 units, p = exp2(s - shift)), in which case they convert m to natural units for the lse.
+// Scores are in natural-log units (scale already applied). The CPU and CUDA flash kernels use
+// exp2 with log2(e) folded into the scale (the *_log2 helpers below: scores, m and the shift are
+// then in log2 units, p = exp2(s - shift)) and convert m to natural units for the lse.
 #pragma once
 #include <math.h>
 

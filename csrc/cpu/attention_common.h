@@ -241,9 +241,7 @@ void pack_kv(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk) {
   });
 }
 
-constexpr double kLog2e = 1.4426950408889634;  // scores are kept in log2 units: exp2 is cheaper
-template <typename A>
-constexpr A kLn2 = A(0.6931471805599453);
+// Scores are kept in log2 units (exp2 is cheaper): fastformer::kLog2e, common/online_softmax.h.
 
 // max(a, b) in one instruction where there is one (vmaxps; at::vec::maximum is three): a NaN
 // in a is returned, a NaN in b is skipped (the DEFAULT level's fallback returns either NaN).

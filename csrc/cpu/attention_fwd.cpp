@@ -9,7 +9,7 @@
 // the 6 x 16 micro-tiles wholly above it, see Band in gemm.h):
 //   S = Q_tile K^T_block                       micro-kernel GEMM, 2*72*192*D flops
 //   s = scale * log2(e) * S (+ log2(e) * float mask, -inf where masked): log2 units; online
-//   softmax update (common/online_softmax.h)
+//   softmax update (common/online_softmax.h, its log2-unit helpers)
 //   P = 2^(s - row_max'), one FMA from S where no mask touches the tile (exactly as the
 //   backward recomputes it, see exp2_row); dropped entries zeroed (Philox, common/philox.h)
 //   acc = alpha * acc + P V_block               micro-kernel GEMM, 2*72*192*Dv flops
@@ -86,7 +86,7 @@ void attention_fwd_typed(const AttnArgs& a) {
                                      : score_row(a, sh, s, score_mul, b, h, q0 + i, k0, n_keys, cols, diagonal, bias);
         const A new_max = std::max(row_max[i], block_max);
         // alpha = 1 exactly when the max did not move (most key blocks): no exp call.
-        const A alpha = new_max == row_max[i] ? A(1) : online_softmax_alpha(row_max[i] * kLn2<A>, new_max * kLn2<A>);
+        const A alpha = new_max == row_max[i] ? A(1) : online_softmax_alpha_log2(row_max[i], new_max);
         const A block_sum = exp2_row(s, cols, softmax_shift(new_max), unmasked ? score_mul : A(1));
         row_sum[i] = alpha * row_sum[i] + block_sum;
         row_max[i] = new_max;
@@ -108,7 +108,7 @@ void attention_fwd_typed(const AttnArgs& a) {
       int64_t d = 0;
       for (; d + V::size() <= sh.Dv; d += V::size()) store_acc(out_i + d, V::loadu(acc_i + d) * inv);
       if (d < sh.Dv) store_acc(out_i + d, V::loadu(acc_i + d) * inv, sh.Dv - d);
-      lse_out[(b * sh.H + h) * sh.Lq + q0 + i] = softmax_lse(row_max[i] * kLn2<A>, row_sum[i]);
+      lse_out[(b * sh.H + h) * sh.Lq + q0 + i] = softmax_lse_log2(row_max[i], row_sum[i]);
     }
   });
 }
