@@ -2,21 +2,21 @@
 //
 // Setup: K is packed once per (batch, kv head) into fp32 K^T blocks and V into fp32 column
 // panels (attention_common.h), in parallel: one read of K and V. Tasks are (batch, head,
-// 72-query block), handed out dynamically (causal tiles differ in cost).
+// block of kBlockQ = 144 queries), handed out dynamically (causal tiles differ in cost).
 // Per task: Q block -> fp32 tile in MR-row panels (the S GEMM streams it sequentially);
 // row_max = -inf, row_sum = 0, acc = 0; for each key block the queries can see (blocks above
 // the causal diagonal are skipped, not masked; inside a tile the diagonal cuts, the GEMMs skip
 // the 6 x 16 micro-tiles wholly above it, see Band in gemm.h):
-//   S = Q_tile K^T_block                       micro-kernel GEMM, 2*72*192*D flops
+//   S = Q_tile K^T_block                       micro-kernel GEMM, 2*144*192*D flops
 //   s = scale * log2(e) * S (+ log2(e) * float mask, -inf where masked): log2 units; online
 //   softmax update (common/online_softmax.h, its log2-unit helpers)
 //   P = 2^(s - row_max'), one FMA from S where no mask touches the tile (exactly as the
 //   backward recomputes it, see exp2_row); dropped entries zeroed (Philox, common/philox.h)
-//   acc = alpha * acc + P V_block               micro-kernel GEMM, 2*72*192*Dv flops
+//   acc = alpha * acc + P V_block               micro-kernel GEMM, 2*144*192*Dv flops
 // out = acc / (row_sum * (1 - p)), lse = row_max + log(row_sum) (+inf for fully masked rows).
 // Memory per task: reads its Q block once and every visible packed K/V block (L2-resident for
 // a head at moderate Lk); writes its out block and lse once. The Lq x Lk matrix never exists:
-// the S tile (72 x 192 fp32 = 54 KB) is the only score storage.
+// the S tile (144 x 192 fp32 = 108 KB) is the only score storage.
 #include <vector>
 
 #include "cpu/attention_common.h"
