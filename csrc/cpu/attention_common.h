@@ -192,7 +192,7 @@ inline void put_rows_transposed_panels(const A* rows, int64_t ld, int64_t n_rows
     const A* src = rows + r0 * ld;
     A* panel = dst + (r0 / NR) * n_cols * NR + r0 % NR;
     int64_t c = 0;
-    for (; c + kT <= n_cols; c += kT) at::vec::transpose_mxn<A, kT, kT>(src + c, ld, panel + c * NR, NR);
+    for (; c + kT <= n_cols; c += kT) transpose_8x8<A>(src + c, ld, panel + c * NR, NR);
     for (; c < n_cols; ++c)
       for (int64_t r = 0; r < kT; ++r) panel[c * NR + r] = src[r * ld + c];
   }

@@ -275,7 +275,7 @@ void pack_b_cols(const Src& src, const RowOf& source_row, A* dst, int64_t k0, in
     int64_t k = 0;
     for (; k + kT <= kc; k += kT)
       for (int64_t c = 0; c < NR; c += kT)
-        at::vec::transpose_mxn<A, kT, kT>(stage + c * ld_stage + k, ld_stage, panel + k * NR + c, NR);
+        transpose_8x8<A>(stage + c * ld_stage + k, ld_stage, panel + k * NR + c, NR);
     if (k < kc)  // the last kc % 8 rows of the panel
       at::vec::transpose_mxn<A>(stage + k, ld_stage, panel + k * NR, NR, NR, static_cast<int>(kc - k));
   }
