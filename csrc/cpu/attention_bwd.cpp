@@ -79,8 +79,9 @@ void attention_bwd_typed(const AttnArgs& a) {
     const int64_t q_pk_block = kQBlockRows<A> * sh.D, do_pk_block = kQBlockRows<A> * sh.Dv;
     A* const q_pk = thread_scratch<A, 25>(sh.n_qb * q_pk_block);    // Q, MR-row panels (A operand)
     A* const do_pk = thread_scratch<A, 26>(sh.n_qb * do_pk_block);  // dO, MR-row panels
-    A* const q_i = thread_scratch<A, 35>(sh.D_pad);
-    A* const do_i = thread_scratch<A, 36>(sh.Dv_pad);
+    static_assert(kBlockQ % MR == 0 && MR <= kRowSlack, "query blocks are whole panels, the last one within the slack rows");
+    A* const q_stage = thread_scratch<A, 35>(MR * sh.D_pad);    // one MR-row panel's rows
+    A* const do_stage = thread_scratch<A, 36>(MR * sh.Dv_pad);
     A* const q_p = thread_scratch<A, 33>(q_rows * sh.D_pad);    // Q, column panels (B operand)
     A* const do_p = thread_scratch<A, 34>(q_rows * sh.Dv_pad);  // dO, column panels
     A* const dk_acc = thread_scratch<A, 27>((n_chunk_keys + kRowSlack) * sh.D_pad);
@@ -104,6 +105,8 @@ void attention_bwd_typed(const AttnArgs& a) {
     for (int64_t g = 0; g < sh.G; ++g) {
       const int64_t h = hkv * sh.G + g;
       for (int64_t i = 0; i < q_rows; ++i) {
+        A* const q_i = q_stage + (i % MR) * sh.D_pad;
+        A* const do_i = do_stage + (i % MR) * sh.Dv_pad;
         if (i < sh.Lq) {
           load_row(row_ptr<T>(a.q, b, h, i), sh.D, sh.D_pad, q_i);
           load_row(row_ptr<T>(a.dout, b, h, i), sh.Dv, sh.Dv_pad, do_i);
@@ -120,9 +123,12 @@ void attention_bwd_typed(const AttnArgs& a) {
         }
         put_row_panels(q_p, q_rows, i, q_i, sh.D_pad);
         put_row_panels(do_p, q_rows, i, do_i, sh.Dv_pad);
-        if (i < sh.Lq) {
-          put_row_mr_panels(q_pk + (i / kBlockQ) * q_pk_block, i % kBlockQ, q_i, sh.D);
-          put_row_mr_panels(do_pk + (i / kBlockQ) * do_pk_block, i % kBlockQ, do_i, sh.Dv);
+        // A panel's last row (rows past Lq are zero): pack the panel (blocks are whole panels).
+        const int64_t panel0 = i / MR * MR;
+        if (i % MR == MR - 1 && panel0 < sh.Lq) {
+          const int64_t at = (panel0 % kBlockQ) * sh.D, at_do = (panel0 % kBlockQ) * sh.Dv;
+          put_mr_panel(q_stage, sh.D_pad, sh.D, q_pk + (panel0 / kBlockQ) * q_pk_block + at);
+          put_mr_panel(do_stage, sh.Dv_pad, sh.Dv, do_pk + (panel0 / kBlockQ) * do_pk_block + at_do);
         }
       }
       A* const dq = task_owns_dq ? dq_own : dq_part + (chunk * sh.B * sh.H + b * sh.H + h) * dq_head;

@@ -167,15 +167,49 @@ inline void put_row_panels(A* dst, int64_t rows, int64_t key, const A* row, int6
 // The micro-kernel's MR broadcasts of one k are then one 24-byte read and a tile GEMM streams
 // the operand sequentially (row-major, they were MR streams 256-512 bytes apart). tile_gemm
 // reads it with a_row = 1, a_col = MR, a_panel = K * MR. Query blocks are packed separately,
-// kQBlockRows rows each (kBlockQ rounded up to MR, the padding rows zero).
+// kQBlockRows rows each (kBlockQ rounded up to MR, the padding rows zero), a panel at a time
+// from MR staged rows (put_mr_panel).
 template <typename A>
 constexpr int64_t kQBlockRows = (kBlockQ + MicroShape<A>::kMR - 1) / MicroShape<A>::kMR * MicroShape<A>::kMR;
 
+// One MR-row panel from MR staged rows (row r at rows + r * ld, K values each; the caller zeroes
+// rows past the operand's end): dst[k * MR + r] = rows[r * ld + k]. fp32 at the AVX2 / AVX-512
+// levels: 4 rows x 8 columns at a time, 8 in-register shuffles and 8 16-byte stores (8-byte for
+// the last 2 rows when MR = 6) instead of 32 scalar stores. Scalar otherwise.
 template <typename A>
-inline void put_row_mr_panels(A* dst, int64_t r, const A* row, int64_t K) {
+inline void put_mr_panel(const A* rows, int64_t ld, int64_t K, A* dst) {
   constexpr int64_t MR = MicroShape<A>::kMR;
-  A* d = dst + (r / MR) * K * MR + r % MR;
-  for (int64_t k = 0; k < K; ++k) d[k * MR] = row[k];
+  int64_t k0 = 0;
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float> && MR % 2 == 0) {
+    for (; k0 + 8 <= K; k0 += 8) {
+      for (int64_t r0 = 0; r0 < MR; r0 += 4) {
+        const int64_t n_rows = std::min<int64_t>(4, MR - r0);  // 4, or 2 (MR = 6)
+        __m256 r[4];
+        for (int64_t j = 0; j < 4; ++j)
+          r[j] = j < n_rows ? _mm256_loadu_ps(rows + (r0 + j) * ld + k0) : _mm256_setzero_ps();
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        // cols[c]: rows r0 .. r0 + 3 of columns k0 + c (low half) and k0 + c + 4 (high half)
+        const __m256 cols[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
+                                _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
+        A* d = dst + k0 * MR + r0;
+        for (int64_t c = 0; c < 4; ++c) {
+          const __m128 lo = _mm256_castps256_ps128(cols[c]), hi = _mm256_extractf128_ps(cols[c], 1);
+          if (n_rows == 4) {
+            _mm_storeu_ps(d + c * MR, lo);
+            _mm_storeu_ps(d + (c + 4) * MR, hi);
+          } else {
+            _mm_storel_pi(reinterpret_cast<__m64*>(d + c * MR), lo);
+            _mm_storel_pi(reinterpret_cast<__m64*>(d + (c + 4) * MR), hi);
+          }
+        }
+      }
+    }
+  }
+#endif
+  for (int64_t k = k0; k < K; ++k)
+    for (int64_t r = 0; r < MR; ++r) dst[k * MR + r] = rows[r * ld + k];
 }
 
 // Writes rows [0, n_rows) of `rows` (row stride ld, columns [0, n_cols)) transposed into

@@ -48,7 +48,7 @@ void attention_fwd_typed(const AttnArgs& a) {
     const int64_t b = bh / sh.H, h = bh % sh.H, hkv = h / sh.G;
     const int64_t q0 = qb * kBlockQ, n_q = std::min(kBlockQ, sh.Lq - q0);
     constexpr int64_t MR = MicroShape<A>::kMR;
-    A* const q_row = thread_scratch<A, 12>(sh.D_pad);
+    A* const q_rows = thread_scratch<A, 12>(MR * sh.D_pad);  // one panel's rows, staged
     A* const q_packed = thread_scratch<A, 18>(kQBlockRows<A> * sh.D);  // MR-row panels
     A* const s_tile = thread_scratch<A, 13>((kBlockQ + kRowSlack) * s_ld);
     A* const acc = thread_scratch<A, 14>(kBlockQ * sh.Dv_pad);
@@ -56,13 +56,16 @@ void attention_fwd_typed(const AttnArgs& a) {
     A* const row_max = thread_scratch<A, 16>(kBlockQ);
     A* const row_sum = thread_scratch<A, 17>(kBlockQ);
 
-    for (int64_t i = 0; i < round_up_to(n_q, MR); ++i) {
-      if (i < n_q) {
-        load_row(row_ptr<T>(a.q, b, h, q0 + i), sh.D, sh.D_pad, q_row);
-      } else {
-        std::fill(q_row, q_row + sh.D_pad, A(0));
+    for (int64_t p0 = 0; p0 < n_q; p0 += MR) {
+      for (int64_t r = 0; r < MR; ++r) {
+        A* q_row = q_rows + r * sh.D_pad;
+        if (p0 + r < n_q) {
+          load_row(row_ptr<T>(a.q, b, h, q0 + p0 + r), sh.D, sh.D_pad, q_row);
+        } else {
+          std::fill(q_row, q_row + sh.D_pad, A(0));
+        }
       }
-      put_row_mr_panels(q_packed, i, q_row, sh.D);
+      put_mr_panel(q_rows, sh.D_pad, sh.D, q_packed + p0 * sh.D);
     }
     std::fill(acc, acc + kBlockQ * sh.Dv_pad, A(0));
     std::fill(row_max, row_max + kBlockQ, kNegInf<A>);
