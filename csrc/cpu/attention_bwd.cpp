@@ -65,7 +65,7 @@ void attention_bwd_typed(const AttnArgs& a) {
   const A drop_scale = a.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - a.dropout_p) : A(1);
   const A* const lse = static_cast<const A*>(a.lse);
   const A score_mul = static_cast<A>(a.scale * kLog2e);  // scores in log2 units, see score_row
-  const int64_t s_ld = sh.Bk_pad + kRowSlack;
+  constexpr int64_t s_ld = kScoreLd;
 
   const double flops = 2.5 * 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
   parallel_tasks(sh.B * sh.Hkv * n_chunks, flops, [&](int64_t task) {
@@ -147,9 +147,9 @@ void attention_bwd_typed(const AttnArgs& a) {
           // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in all five GEMMs.
           const Band cols_band = sh.band(a, q0, kb, Band::kColsUpTo);
           const int64_t qb = q0 / kBlockQ;
-          tile_gemm<A>(n_q, cols, sh.D, q_pk + qb * q_pk_block, 1, MR, pk.kt_block(0, kb - kb0),
+          tile_gemm<A, 1, MR>(n_q, cols, sh.D, q_pk + qb * q_pk_block, 1, MR, pk.kt_block(0, kb - kb0),
                        NR, sh.D * NR, p_tile, s_ld, false, cols_band, sh.D * MR);
-          tile_gemm<A>(n_q, cols, sh.Dv, do_pk + qb * do_pk_block, 1, MR, pk.vt_block(0, kb - kb0),
+          tile_gemm<A, 1, MR>(n_q, cols, sh.Dv, do_pk + qb * do_pk_block, 1, MR, pk.vt_block(0, kb - kb0),
                        NR, sh.Dv * NR, ds_tile, s_ld, false, cols_band, sh.Dv * MR);
           // P exactly as the forward computed it (Shape::unmasked): straight from S with one FMA
           // (exp2_row's mul), or after score_row's scale and bias. Unmasked tiles without
@@ -204,11 +204,11 @@ void attention_bwd_typed(const AttnArgs& a) {
           // dV += P'^T dO, dK += dS^T Q (transposed views of the tiles), dQ += dS K.
           const Band keys_band = sh.band(a, q0, kb, Band::kInnerFrom);
           const Band inner_band = sh.band(a, q0, kb, Band::kInnerUpTo);
-          tile_gemm<A>(n_keys, sh.Dv, n_q, pd_tile, 1, s_ld, do_p + q0 * NR, NR, q_rows * NR,
+          tile_gemm<A, 1, s_ld>(n_keys, sh.Dv, n_q, pd_tile, 1, s_ld, do_p + q0 * NR, NR, q_rows * NR,
                        dv_blk, sh.Dv_pad, true, keys_band);
-          tile_gemm<A>(n_keys, sh.D, n_q, ds_tile, 1, s_ld, q_p + q0 * NR, NR, q_rows * NR,
+          tile_gemm<A, 1, s_ld>(n_keys, sh.D, n_q, ds_tile, 1, s_ld, q_p + q0 * NR, NR, q_rows * NR,
                        dk_blk, sh.D_pad, true, keys_band);
-          tile_gemm<A>(n_q, sh.D, n_keys, ds_tile, s_ld, 1, pk.kp_block(0, kb - kb0), NR,
+          tile_gemm<A, s_ld, 1>(n_q, sh.D, n_keys, ds_tile, s_ld, 1, pk.kp_block(0, kb - kb0), NR,
                        sh.Bk_pad * NR, dq + q0 * sh.D_pad, sh.D_pad, true, inner_band);
         }
       }

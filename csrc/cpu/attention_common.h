@@ -30,6 +30,10 @@ namespace attn {
 // the micro-kernel unrolled, gemm.h); 96, 120 and 216 rows, or 96 / 256 keys, no better.
 constexpr int64_t kBlockQ = 144;
 constexpr int64_t kBlockK = 192;
+// Row stride of the score tiles (S, P, dS): the widest block plus slack columns (P^T reads in
+// the backward), a compile-time constant so that the GEMMs reading them as A operands (O += P V,
+// dQ += dS K, dV += P^T dO, dK += dS^T Q) address their MR rows as constant offsets (gemm.h).
+constexpr int64_t kScoreLd = kBlockK + kRowSlack;
 
 template <typename A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();

@@ -38,7 +38,7 @@ void attention_fwd_typed(const AttnArgs& a) {
 
   const uint32_t threshold = a.dropout_p > 0 ? dropout_threshold(a.dropout_p) : 0;
   const A out_scale = a.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - a.dropout_p) : A(1);
-  const int64_t s_ld = sh.Bk_pad + kRowSlack;  // slack columns: P^T reads in the backward style
+  constexpr int64_t s_ld = kScoreLd;
   const A score_mul = static_cast<A>(a.scale * kLog2e);  // S = Q K^T to log2 units, see exp2_row
   A* const lse_out = static_cast<A*>(a.lse);
 
@@ -76,7 +76,7 @@ void attention_fwd_typed(const AttnArgs& a) {
     for (int64_t kb = 0; kb < kb_end; ++kb) {
       const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
       // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in both GEMMs.
-      tile_gemm<A>(n_q, cols, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb), NR,
+      tile_gemm<A, 1, MR>(n_q, cols, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb), NR,
                    sh.D * NR, s_tile, s_ld, false, sh.band(a, q0, kb, Band::kColsUpTo), sh.D * MR);
       const bool diagonal = sh.diagonal(a, q0, kb);
       // P as the backward computes it (Shape::unmasked): straight from S with one FMA per
@@ -100,7 +100,7 @@ void attention_fwd_typed(const AttnArgs& a) {
           for (int64_t d = 0; d < sh.Dv_pad; d += V::size()) (V::loadu(acc_i + d) * alpha_v).store(acc_i + d);
         }
       }
-      tile_gemm<A>(n_q, sh.Dv, n_keys, s_tile, s_ld, 1, pk.vp_block(bh_kv, kb), NR,
+      tile_gemm<A, s_ld, 1>(n_q, sh.Dv, n_keys, s_tile, s_ld, 1, pk.vp_block(bh_kv, kb), NR,
                    sh.Bk_pad * NR, acc, sh.Dv_pad, true, sh.band(a, q0, kb, Band::kInnerUpTo));
     }
 

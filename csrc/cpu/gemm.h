@@ -41,10 +41,16 @@ constexpr int64_t kRowSlack = 16;
 
 inline int64_t round_up_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-template <typename A>
-inline void micro_kernel(int64_t K, const A* __restrict a, int64_t a_row, int64_t a_col,
+// kARow / kACol, when not 0, are a_row / a_col known at compile time (the runtime values must
+// equal them): A's MR row addresses are then constant offsets from one pointer. With a runtime
+// row stride the AVX-512 kernel (MR = 12) keeps row addresses in general registers and spills
+// them.
+template <typename A, int64_t kARow = 0, int64_t kACol = 0>
+inline void micro_kernel(int64_t K, const A* __restrict a, int64_t a_row_arg, int64_t a_col_arg,
                          const A* __restrict b, int64_t ldb, A* __restrict c, int64_t ldc,
                          int64_t m, int64_t n, bool accumulate) {
+  const int64_t a_row = kARow != 0 ? kARow : a_row_arg;
+  const int64_t a_col = kACol != 0 ? kACol : a_col_arg;
   using V = Vectorized<A>;
   constexpr int MR = MicroShape<A>::kMR;
   constexpr int NV = MicroShape<A>::kNV;
@@ -123,7 +129,7 @@ struct Band {
 // of MR); B needs full NR-wide panels. a_panel != 0: A is packed in MR-row panels, micro-row
 // i starting at a + (i / MR) * a_panel (with a_row = 1, a_col = MR the MR values of one k are
 // contiguous, see put_row_mr_panels in attention_common.h); 0: micro-row i at a + i * a_row.
-template <typename A>
+template <typename A, int64_t kARow = 0, int64_t kACol = 0>
 inline void tile_gemm(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_row, int64_t a_col,
                       const A* b, int64_t ldb, int64_t b_panel, A* c, int64_t ldc, bool accumulate,
                       Band band = {}, int64_t a_panel = 0) {
@@ -139,7 +145,7 @@ inline void tile_gemm(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_row
       if (band.kind == Band::kInnerUpTo) k_hi = std::clamp<int64_t>(i + MR + band.diag, 0, K);
       if (band.kind == Band::kInnerFrom) k_lo = std::clamp<int64_t>(i - band.diag, 0, K);
       const A* a_i = a_panel ? a + (i / MR) * a_panel : a + i * a_row;
-      micro_kernel<A>(k_hi - k_lo, a_i + k_lo * a_col, a_row, a_col, b_j + k_lo * ldb, ldb,
+      micro_kernel<A, kARow, kACol>(k_hi - k_lo, a_i + k_lo * a_col, a_row, a_col, b_j + k_lo * ldb, ldb,
                       c + i * ldc + j, ldc, std::min<int64_t>(MR, M - i), n, accumulate);
     }
   }
