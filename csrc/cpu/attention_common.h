@@ -35,6 +35,12 @@ constexpr int64_t kBlockK = 192;
 // dQ += dS K, dV += P^T dO, dK += dS^T Q) address their MR rows as constant offsets (gemm.h).
 constexpr int64_t kScoreLd = kBlockK + kRowSlack;
 
+// The forward's choice of tasks (attention_fwd.cpp): whole heads that pack their own K/V when
+// a head's packed K/V take at most kPackInTaskBytes and there are at least kHeadTasksPerThread
+// heads per thread; else query blocks sharing K/V packed up front.
+constexpr int64_t kPackInTaskBytes = 1 << 20;
+constexpr int64_t kHeadTasksPerThread = 4;
+
 template <typename A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 

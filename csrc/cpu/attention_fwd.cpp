@@ -17,6 +17,7 @@
 // Memory per task: reads its Q block once and every visible packed K/V block (L2-resident for
 // a head at moderate Lk); writes its out block and lse once. The Lq x Lk matrix never exists:
 // the S tile (144 x 192 fp32 = 108 KB) is the only score storage.
+#include <optional>
 #include <vector>
 
 #include "cpu/attention_common.h"
@@ -32,9 +33,18 @@ void attention_fwd_typed(const AttnArgs& a) {
   using V = Vectorized<A>;
   constexpr int64_t NR = MicroShape<A>::kNR;
   const Shape<A> sh(a);
-  Packed<A> packing(sh, sh.B * sh.Hkv, sh.n_kb, /*backward=*/false);
-  pack_kv<T, A>(a, sh, packing);
-  const Packed<A>& pk = packing;  // read-only in the tasks
+  // Heads whose packed K/V fit in L2 with room to spare, when there are enough of them to keep
+  // every thread busy: a task is a whole head and packs its own K/V into its thread's buffers
+  // (written and read back from cache). Otherwise tasks are query blocks, sharing K/V packed
+  // up front for every head (written to memory and read back by each task of the head).
+  const int64_t head_packed_bytes = sh.n_kb * sh.Bk_pad * (sh.D + sh.Dv_pad) * static_cast<int64_t>(sizeof(A));
+  const bool pack_in_task = head_packed_bytes <= kPackInTaskBytes &&
+                            sh.B * sh.H >= kHeadTasksPerThread * at::get_num_threads();
+  std::optional<Packed<A>> shared;
+  if (!pack_in_task) {
+    shared.emplace(sh, sh.B * sh.Hkv, sh.n_kb, /*backward=*/false);
+    pack_kv<T, A>(a, sh, *shared);
+  }
 
   const uint32_t threshold = a.dropout_p > 0 ? dropout_threshold(a.dropout_p) : 0;
   const A out_scale = a.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - a.dropout_p) : A(1);
@@ -43,9 +53,8 @@ void attention_fwd_typed(const AttnArgs& a) {
   A* const lse_out = static_cast<A*>(a.lse);
 
   const double flops = 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
-  parallel_tasks(sh.B * sh.H * sh.n_qb, flops, [&](int64_t task) {
-    const int64_t qb = task % sh.n_qb, bh = task / sh.n_qb;
-    const int64_t b = bh / sh.H, h = bh % sh.H, hkv = h / sh.G;
+  // Query block qb of head (b, h), K/V from packed head pk_head of pk (read-only).
+  auto query_block = [&](const Packed<A>& pk, int64_t pk_head, int64_t b, int64_t h, int64_t qb) {
     const int64_t q0 = qb * kBlockQ, n_q = std::min(kBlockQ, sh.Lq - q0);
     constexpr int64_t MR = MicroShape<A>::kMR;
     A* const q_rows = thread_scratch<A, 12>(MR * sh.D_pad);  // one panel's rows, staged
@@ -71,7 +80,7 @@ void attention_fwd_typed(const AttnArgs& a) {
     std::fill(row_max, row_max + kBlockQ, kNegInf<A>);
     std::fill(row_sum, row_sum + kBlockQ, A(0));
 
-    const int64_t bh_kv = b * sh.Hkv + hkv;
+    const int64_t bh_kv = pk_head;
     const int64_t kb_end = sh.kb_end(a, q0 + n_q);
     for (int64_t kb = 0; kb < kb_end; ++kb) {
       const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
@@ -113,6 +122,20 @@ void attention_fwd_typed(const AttnArgs& a) {
       if (d < sh.Dv) store_acc(out_i + d, V::loadu(acc_i + d) * inv, sh.Dv - d);
       lse_out[(b * sh.H + h) * sh.Lq + q0 + i] = softmax_lse_log2(row_max[i], row_sum[i]);
     }
+  };
+
+  const int64_t n_tasks = pack_in_task ? sh.B * sh.H : sh.B * sh.H * sh.n_qb;
+  parallel_tasks(n_tasks, flops, [&](int64_t task) {
+    const int64_t bh = pack_in_task ? task : task / sh.n_qb;
+    const int64_t b = bh / sh.H, h = bh % sh.H, hkv = h / sh.G;
+    if (!pack_in_task) {
+      query_block(*shared, b * sh.Hkv + hkv, b, h, task % sh.n_qb);
+      return;
+    }
+    Packed<A> own(sh, 1, sh.n_kb, /*backward=*/false);
+    const int64_t kb_end = sh.kb_end(a, sh.Lq);  // the blocks some query of the head can see
+    for (int64_t kb = 0; kb < kb_end; ++kb) pack_kv_block<T, A>(a, sh, own, b, hkv, kb, 0, kb);
+    for (int64_t qb = 0; qb < sh.n_qb; ++qb) query_block(own, 0, b, h, qb);
   });
 }
 
