@@ -96,12 +96,11 @@ void attention_bwd_typed(const AttnArgs& a) {
     Packed<A> packing(sh, 1, kb1 - kb0, /*backward=*/true);
     for (int64_t kb = kb0; kb < kb1; ++kb) pack_kv_block<T, A>(a, sh, packing, b, hkv, kb, 0, kb - kb0);
     const Packed<A>& pk = packing;
-    std::fill(dk_acc, dk_acc + (n_chunk_keys + kRowSlack) * sh.D_pad, A(0));
-    std::fill(dv_acc, dv_acc + (n_chunk_keys + kRowSlack) * sh.Dv_pad, A(0));
+    // Accumulators: only the chunk's rows are read or written (GEMMs store valid rows only).
+    std::fill(dk_acc, dk_acc + n_chunk_keys * sh.D_pad, A(0));
+    std::fill(dv_acc, dv_acc + n_chunk_keys * sh.Dv_pad, A(0));
 
-    // Padding rows of the packed Q / dO blocks stay zero; every head rewrites rows < Lq.
-    std::fill(q_pk, q_pk + sh.n_qb * q_pk_block, A(0));
-    std::fill(do_pk, do_pk + sh.n_qb * do_pk_block, A(0));
+    // Every head rewrites the packed Q / dO panels a tile reads (rows past Lq from zero rows).
     for (int64_t g = 0; g < sh.G; ++g) {
       const int64_t h = hkv * sh.G + g;
       for (int64_t i = 0; i < q_rows; ++i) {
@@ -132,7 +131,7 @@ void attention_bwd_typed(const AttnArgs& a) {
         }
       }
       A* const dq = task_owns_dq ? dq_own : dq_part + (chunk * sh.B * sh.H + b * sh.H + h) * dq_head;
-      if (task_owns_dq) std::fill(dq, dq + dq_head, A(0));
+      if (task_owns_dq) std::fill(dq, dq + sh.Lq * sh.D_pad, A(0));  // rows < Lq are used
       const A* lse_h = lse + (b * sh.H + h) * sh.Lq;
 
       for (int64_t kb = kb0; kb < kb1; ++kb) {

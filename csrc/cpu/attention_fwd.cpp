@@ -76,12 +76,13 @@ void attention_fwd_typed(const AttnArgs& a) {
       }
       put_mr_panel(q_rows, sh.D_pad, sh.D, q_packed + p0 * sh.D);
     }
-    std::fill(acc, acc + kBlockQ * sh.Dv_pad, A(0));
     std::fill(row_max, row_max + kBlockQ, kNegInf<A>);
     std::fill(row_sum, row_sum + kBlockQ, A(0));
 
     const int64_t bh_kv = pk_head;
     const int64_t kb_end = sh.kb_end(a, q0 + n_q);
+    // acc: written by the first key block's P V (accumulate = false), zero if there is none.
+    if (kb_end == 0) std::fill(acc, acc + kBlockQ * sh.Dv_pad, A(0));
     for (int64_t kb = 0; kb < kb_end; ++kb) {
       const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
       // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in both GEMMs.
@@ -103,14 +104,14 @@ void attention_fwd_typed(const AttnArgs& a) {
         row_sum[i] = alpha * row_sum[i] + block_sum;
         row_max[i] = new_max;
         if (threshold) drop_row(a, s, b, h, q0 + i, k0, n_keys, threshold);
-        if (alpha != A(1)) {
+        if (alpha != A(1) && kb > 0) {  // (before the first block's P V, acc holds nothing)
           A* acc_i = acc + i * sh.Dv_pad;
           const V alpha_v(alpha);
           for (int64_t d = 0; d < sh.Dv_pad; d += V::size()) (V::loadu(acc_i + d) * alpha_v).store(acc_i + d);
         }
       }
       tile_gemm<A, s_ld, 1>(n_q, sh.Dv, n_keys, s_tile, s_ld, 1, pk.vp_block(bh_kv, kb), NR,
-                   sh.Bk_pad * NR, acc, sh.Dv_pad, true, sh.band(a, q0, kb, Band::kInnerUpTo));
+                   sh.Bk_pad * NR, acc, sh.Dv_pad, kb > 0, sh.band(a, q0, kb, Band::kInnerUpTo));
     }
 
     for (int64_t i = 0; i < n_q; ++i) {
