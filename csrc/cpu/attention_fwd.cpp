@@ -1,18 +1,24 @@
 // Flash attention forward on CPU (semantics: fastformer/reference/attention.py).
 //
-// Setup: K is packed once per (batch, kv head) into fp32 K^T blocks and V into fp32 column
-// panels (attention_common.h), in parallel: one read of K and V. Tasks are (batch, head,
-// block of kBlockQ = 144 queries), handed out dynamically (causal tiles differ in cost).
-// Per task: Q block -> fp32 tile in MR-row panels (the S GEMM streams it sequentially);
-// row_max = -inf, row_sum = 0, acc = 0; for each key block the queries can see (blocks above
-// the causal diagonal are skipped, not masked; inside a tile the diagonal cuts, the GEMMs skip
-// the 6 x 16 micro-tiles wholly above it, see Band in gemm.h):
+// K is packed into fp32 K^T blocks and V into fp32 column panels (attention_common.h), one read
+// of K and V per head, in one of two task layouts (handed out dynamically: causal tiles differ
+// in cost):
+//   - small heads (packed K/V <= 1 MB) and >= 4 heads per thread: a task is a head; it packs
+//     its K/V into its thread's buffers (they stay in L2; with GQA each query head repacks its
+//     kv head) and runs its query blocks;
+//   - else: every (batch, kv head) is packed up front, in parallel, and a task is (batch, head,
+//     block of kBlockQ = 144 queries) reading the shared packed blocks.
+// Per query block: Q -> fp32 MR-row panels (the S GEMM streams them sequentially);
+// row_max = -inf, row_sum = 0; for each key block the queries can see (blocks above the causal
+// diagonal are skipped, not masked; inside a tile the diagonal cuts, the GEMMs skip the
+// micro-tiles wholly above it, see Band in gemm.h):
 //   S = Q_tile K^T_block                       micro-kernel GEMM, 2*144*192*D flops
 //   s = scale * log2(e) * S (+ log2(e) * float mask, -inf where masked): log2 units; online
 //   softmax update (common/online_softmax.h, its log2-unit helpers)
 //   P = 2^(s - row_max'), one FMA from S where no mask touches the tile (exactly as the
 //   backward recomputes it, see exp2_row); dropped entries zeroed (Philox, common/philox.h)
 //   acc = alpha * acc + P V_block               micro-kernel GEMM, 2*144*192*Dv flops
+//                                               (the first block writes acc: acc = P V_block)
 // out = acc / (row_sum * (1 - p)), lse = row_max + log(row_sum) (+inf for fully masked rows).
 // Memory per task: reads its Q block once and every visible packed K/V block (L2-resident for
 // a head at moderate Lk); writes its out block and lse once. The Lq x Lk matrix never exists:

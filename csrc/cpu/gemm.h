@@ -135,6 +135,7 @@ inline void tile_gemm(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_row
                       Band band = {}, int64_t a_panel = 0) {
   constexpr int MR = MicroShape<A>::kMR;
   constexpr int NR = MicroShape<A>::kNR;
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY((kARow == 0 || a_row == kARow) && (kACol == 0 || a_col == kACol));
   for (int64_t j = 0; j < N; j += NR) {
     const int64_t n = std::min<int64_t>(NR, N - j);
     const A* b_j = b + (j / NR) * b_panel;
