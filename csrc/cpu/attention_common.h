@@ -198,11 +198,8 @@ inline void put_mr_panel(const A* rows, int64_t ld, int64_t K, A* dst) {
         __m256 r[4];
         for (int64_t j = 0; j < 4; ++j)
           r[j] = j < n_rows ? _mm256_loadu_ps(rows + (r0 + j) * ld + k0) : _mm256_setzero_ps();
-        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        // cols[c]: rows r0 .. r0 + 3 of columns k0 + c (low half) and k0 + c + 4 (high half)
-        const __m256 cols[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
-                                _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
+        __m256 cols[4];  // rows r0 .. r0 + 3 of columns k0 + c (low half) and k0 + c + 4 (high)
+        transpose_4x8_halves(r, cols);
         A* d = dst + k0 * MR + r0;
         for (int64_t c = 0; c < 4; ++c) {
           const __m128 lo = _mm256_castps256_ps128(cols[c]), hi = _mm256_extractf128_ps(cols[c], 1);
@@ -301,53 +298,43 @@ inline Vectorized<A> max_nan_from_first(const Vectorized<A>& a, const Vectorized
   return at::vec::maximum(a, b);
 }
 
-// 2^x for x <= 0 (scores minus the row max, log2 units). AVX2/AVX-512 fp32: floor/fraction
-// split, degree-5 polynomial for 2^f on [0, 1) fitted here with p(0) = 1 and p(1) = 2 exact
-// (2.0e-7 max relative error in fp32; exact at 0 so that a row's max element has P = 1 and a
-// single-key row has dS = 0 exactly), exponent bits from the integer part; x <= -127 gives
-// exactly 0 (masked scores are -inf), NaN stays NaN. Other levels and fp64: Sleef's exp2.
+// 2^f for f in [0, 1): degree-5 polynomial fitted here with p(0) = 1 and p(1) = 2 exact.
+inline Vectorized<float> exp2_unit_poly(const Vectorized<float>& f) {
+  using V = Vectorized<float>;
+  V p(0.00187831767834723f);
+  p = at::vec::fmadd(p, f, V(0.008990056812763214f));
+  p = at::vec::fmadd(p, f, V(0.0558231920003891f));
+  p = at::vec::fmadd(p, f, V(0.2401561290025711f));
+  p = at::vec::fmadd(p, f, V(0.6931523084640503f));
+  return at::vec::fmadd(p, f, V(1.0f));
+}
+
+// 2^x for x <= 0 (scores minus the row max, log2 units). AVX2/AVX-512 fp32: 2^floor(x) times
+// exp2_unit_poly(x - floor(x)) (max relative error 1.9e-7 (AVX2) / 1.7e-7 (AVX-512) over 8.2e8
+// x in [-200, 0]; exact at 0 so that a row's max element has P = 1 and a single-key row has
+// dS = 0 exactly); x < -126 gives exactly 0 (masked scores are -inf), NaN stays NaN. Other
+// levels and fp64: Sleef's exp2. Forward and backward use the same one at a level, so the
+// backward's P is the forward's.
 template <typename A>
 inline Vectorized<A> exp2_nonpositive(const Vectorized<A>& x) {
 #if defined(CPU_CAPABILITY_AVX512)
-  // The same polynomial in 8 instead of 12 vector instructions: vreduceps gives f = x - floor(x),
-  // vscalefps p * 2^floor(x) (exact, as the exponent-bits product below), and a mask zeroes
-  // x < -126 (exactly where the code below gives 0: n <= -127) and keeps NaN (unordered
-  // compare); 2^0 = 1 exactly. For x in (-1, 0) vreduceps rounds x + 1 differently from the
-  // subtraction below, so 5.8% of such x differ in the last bit; max relative error against
-  // exp2 over 8.2e8 x in [-200, 0]: 1.72e-7 (the code below: 1.87e-7). Forward and backward
-  // both use this one at this level, so the backward's P is still the forward's.
+  // vreduceps gives f = x - floor(x), vscalefps p * 2^floor(x) (exact), a mask zeroes x < -126
+  // and keeps NaN (unordered compare): 8 vector instructions (the AVX2 way below takes 12). For
+  // x in (-1, 0) vreduceps rounds x + 1 differently from the AVX2 subtraction, so 5.8% of such
+  // x differ from the AVX2 level in the last bit.
   if constexpr (std::is_same_v<A, float>) {
-    const __m512 xv = x;
-    const __mmask16 live = _mm512_cmp_ps_mask(xv, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
-    const __m512 f = _mm512_reduce_ps(xv, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    __m512 p = _mm512_set1_ps(0.00187831767834723f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.008990056812763214f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0558231920003891f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2401561290025711f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931523084640503f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(live, p, xv);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+    const Vectorized<float> f(_mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+    return _mm512_maskz_scalef_ps(live, exp2_unit_poly(f), x);
   }
-#endif
-#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#elif defined(CPU_CAPABILITY_AVX2)
+  // floor/fraction split, exponent bits from the integer part (n <= -127 gives bits 0: 0).
   if constexpr (std::is_same_v<A, float>) {
     using V = Vectorized<float>;
     const V xc = max_nan_from_first(x, V(-127.0f));
     const V n = xc.floor();
-    const V f = xc - n;
-    V p(0.00187831767834723f);
-    p = at::vec::fmadd(p, f, V(0.008990056812763214f));
-    p = at::vec::fmadd(p, f, V(0.0558231920003891f));
-    p = at::vec::fmadd(p, f, V(0.2401561290025711f));
-    p = at::vec::fmadd(p, f, V(0.6931523084640503f));
-    p = at::vec::fmadd(p, f, V(1.0f));
-#if defined(CPU_CAPABILITY_AVX2)
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return p * V(_mm256_castsi256_ps(e));
-#else
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return p * V(_mm512_castsi512_ps(e));
-#endif
+    return exp2_unit_poly(xc - n) * V(_mm256_castsi256_ps(e));
   }
 #endif
   return x.exp2();

@@ -59,8 +59,8 @@ void attention_fwd_typed(const AttnArgs& a) {
   A* const lse_out = static_cast<A*>(a.lse);
 
   const double flops = 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
-  // Query block qb of head (b, h), K/V from packed head pk_head of pk (read-only).
-  auto query_block = [&](const Packed<A>& pk, int64_t pk_head, int64_t b, int64_t h, int64_t qb) {
+  // Query block qb of head (b, h), K/V from packed head bh_kv of pk (read-only).
+  auto query_block = [&](const Packed<A>& pk, int64_t bh_kv, int64_t b, int64_t h, int64_t qb) {
     const int64_t q0 = qb * kBlockQ, n_q = std::min(kBlockQ, sh.Lq - q0);
     constexpr int64_t MR = MicroShape<A>::kMR;
     A* const q_rows = thread_scratch<A, 12>(MR * sh.D_pad);  // one panel's rows, staged
@@ -85,7 +85,6 @@ void attention_fwd_typed(const AttnArgs& a) {
     std::fill(row_max, row_max + kBlockQ, kNegInf<A>);
     std::fill(row_sum, row_sum + kBlockQ, A(0));
 
-    const int64_t bh_kv = pk_head;
     const int64_t kb_end = sh.kb_end(a, q0 + n_q);
     // acc: written by the first key block's P V (accumulate = false), zero if there is none.
     if (kb_end == 0) std::fill(acc, acc + kBlockQ * sh.Dv_pad, A(0));

@@ -180,6 +180,20 @@ inline A reduce_add(const Vectorized<A>& v) {
   return at::vec::vec_reduce_all<A>([](Vectorized<A>& a, Vectorized<A>& b) { return a + b; }, v);
 }
 
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// Four rows of 8 floats -> cols[c] = rows 0..3 of column c (low half) and of column c + 4
+// (high half): 4 unpacks and 4 shuffles. The first two stages of an 8 x 8 transpose
+// (transpose_8x8) and all of a 4-row one (put_mr_panel in attention_common.h).
+inline void transpose_4x8_halves(const __m256 rows[4], __m256 cols[4]) {
+  const __m256 t0 = _mm256_unpacklo_ps(rows[0], rows[1]), t1 = _mm256_unpackhi_ps(rows[0], rows[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(rows[2], rows[3]), t3 = _mm256_unpackhi_ps(rows[2], rows[3]);
+  cols[0] = _mm256_shuffle_ps(t0, t2, 0x44);
+  cols[1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+  cols[2] = _mm256_shuffle_ps(t1, t3, 0x44);
+  cols[3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+}
+#endif
+
 // dst[c * ld_dst + r] = src[r * ld_src + c] for an 8 x 8 block. fp32 at the AVX2 and AVX-512
 // levels: 8 ymm loads, 24 in-register shuffles, 8 stores. ATen's transpose_mxn<float, 8, 8> at
 // its AVX-512 level runs its masked 16 x 16 kernel for an 8 x 8 block: perf, fp32 attention
@@ -188,18 +202,10 @@ template <typename A>
 inline void transpose_8x8(const A* src, int64_t ld_src, A* dst, int64_t ld_dst) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<A, float>) {
-    __m256 r[8], t[8], s[8];
+    __m256 r[8], s[8];
     for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld_src);
-    for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved: (a0 b0 a1 b1 | a4 b4 a5 b5), ...
-      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {  // quads: (a0 b0 c0 d0 | a4 b4 c4 d4), ...
-      s[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-      s[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-      s[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-      s[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
+    transpose_4x8_halves(r, s);          // rows 0..3 of columns (c, c + 4)
+    transpose_4x8_halves(r + 4, s + 4);  // rows 4..7
     for (int i = 0; i < 4; ++i) {  // column i from the low halves, column i + 4 from the high
       _mm256_storeu_ps(dst + i * ld_dst, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
       _mm256_storeu_ps(dst + (i + 4) * ld_dst, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
