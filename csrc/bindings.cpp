@@ -14,6 +14,11 @@
 
 #include <cstdlib>
 #include <cstring>
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #include <optional>
 #include <string>
 
@@ -114,6 +119,67 @@ void set_cpu_capability(const std::string& name) {
                     kLevelNames[max_supported_level()], "')");
 }
 
+// ---- AMX -------------------------------------------------------------------------------------
+// AMX needs the CPU's AMX-TILE / AMX-BF16 (CPUID leaf 7: EDX bits 24 / 22), an OS that enables
+// the tile state in XCR0 (bits 17, 18) and, on Linux, a per-process request for the tile data
+// state (ARCH_REQ_XCOMP_PERM), which is also what torch's oneDNN makes before its AMX GEMMs.
+struct AmxState {
+  bool supported = false;  // the CPU and OS can run AMX-BF16 in this process
+  bool enabled = false;    // the kernels use it (supported, and not turned off)
+  std::string note;        // why it is off, if it is
+};
+
+bool probe_amx(std::string& why) {
+#if defined(__x86_64__) && defined(__linux__)
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) || !(edx & (1u << 24)) || !(edx & (1u << 22))) {
+    why = "the CPU has no AMX-BF16";
+    return false;
+  }
+  if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx) || !(ecx & (1u << 27))) {  // OSXSAVE
+    why = "the OS does not enable XSAVE";
+    return false;
+  }
+  unsigned xcr0_lo, xcr0_hi;
+  __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+  if ((xcr0_lo & (3u << 17)) != (3u << 17)) {
+    why = "the OS does not enable the AMX tile state";
+    return false;
+  }
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0) {
+    why = "the kernel refused the AMX tile data permission";
+    return false;
+  }
+  return true;
+#else
+  why = "AMX is used on x86-64 Linux only";
+  return false;
+#endif
+}
+
+AmxState& amx_state() {
+  static AmxState state = [] {
+    AmxState s;
+    s.supported = probe_amx(s.note);
+    s.enabled = s.supported;
+    const char* env = std::getenv("FASTFORMER_CPU_AMX");
+    if (s.enabled && env && std::string(env) == "0") {
+      s.enabled = false;
+      s.note = "turned off by FASTFORMER_CPU_AMX=0";
+    }
+    return s;
+  }();
+  return state;
+}
+
+void set_cpu_amx(bool enable) {
+  AmxState& s = amx_state();
+  TORCH_CHECK_VALUE(!enable || s.supported, "set_cpu_amx: AMX-BF16 is not usable here (", s.note, ")");
+  s.enabled = enable;
+  s.note = enable ? "" : "turned off by set_cpu_amx(False)";
+}
+
 py::dict cpu_info() {
   py::dict d;
   d["capability"] = kLevelNames[cpu_state().level];
@@ -128,6 +194,9 @@ py::dict cpu_info() {
   built.append("avx512");
 #endif
   d["built"] = built;
+  // Used by the avx512 level's bf16 attention score GEMMs (csrc/cpu/amx_bf16.h).
+  d["amx_bf16"] = amx_state().enabled;
+  d["amx_note"] = amx_state().note;
 #ifdef FASTFORMER_WITH_CUDA
   d["cuda"] = true;
 #else
@@ -595,6 +664,10 @@ std::vector<Tensor> ffn_bwd(const Tensor& dy, const Tensor& x, const Tensor& w1,
 }
 
 }  // namespace
+
+namespace cpu {
+bool amx_bf16_enabled() { return amx_state().enabled; }
+}  // namespace cpu
 }  // namespace fastformer
 
 PYBIND11_MODULE(_C, m) {
@@ -602,6 +675,7 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "fastformer compiled kernels (CPU; CUDA when built with it)";
   m.def("cpu_info", &cpu_info, "CPU capability levels built, selected and supported");
   m.def("set_cpu_capability", &set_cpu_capability, "Select default|avx2|avx512 kernels (tests)");
+  m.def("set_cpu_amx", &set_cpu_amx, "Use AMX-BF16 at the avx512 level where supported (tests)");
   m.def("add_norm_fwd", &add_norm_fwd);
   m.def("add_norm_bwd", &add_norm_bwd);
   m.def("add_norm_autograd", &add_norm_autograd, "add + norm with a C++ autograd node: [y, res_out]");

@@ -48,6 +48,7 @@ def info() -> Info:
             "best supported": cpu.get("max_capability"),
             "built levels": ", ".join(cpu.get("built") or []) or "-",
             "note": cpu.get("note") or "-",
+            "amx bf16": "used" if cpu.get("amx_bf16") else f"off ({cpu.get('amx_note') or 'not built'})",
             "torch capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(),
             "machine": platform.machine(),

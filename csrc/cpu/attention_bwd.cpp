@@ -41,6 +41,9 @@ void attention_bwd_typed(const AttnArgs& a) {
   constexpr int64_t kV = V::size();
   constexpr int64_t NR = MicroShape<A>::kNR;
   const Shape<A> sh(a);
+  // bf16 on AMX: S = Q K^T and dP = dO V^T from the bf16 inputs on the tiles (amx_bf16.h), as
+  // the forward computes S; the other three GEMMs as below.
+  const bool amx = std::is_same_v<T, c10::BFloat16> && use_amx_bf16();
 
   const int64_t n_chunks = std::clamp<int64_t>((kMinTasks + sh.B * sh.Hkv - 1) / (sh.B * sh.Hkv), 1, sh.n_kb);
   const int64_t kb_per_chunk = (sh.n_kb + n_chunks - 1) / n_chunks;
@@ -73,12 +76,16 @@ void attention_bwd_typed(const AttnArgs& a) {
     const int64_t b = bhkv / sh.Hkv, hkv = bhkv % sh.Hkv;
     const int64_t kb0 = chunk * kb_per_chunk, kb1 = std::min(sh.n_kb, kb0 + kb_per_chunk);
     if (kb0 >= kb1) return;
+    const AmxTiles tiles(amx);
     const int64_t key0 = kb0 * kBlockK, n_chunk_keys = std::min(sh.Lk, kb1 * kBlockK) - key0;
     const int64_t q_rows = sh.Lq + kRowSlack;
     constexpr int64_t MR = MicroShape<A>::kMR;
     const int64_t q_pk_block = kQBlockRows<A> * sh.D, do_pk_block = kQBlockRows<A> * sh.Dv;
-    A* const q_pk = thread_scratch<A, 25>(sh.n_qb * q_pk_block);    // Q, MR-row panels (A operand)
-    A* const do_pk = thread_scratch<A, 26>(sh.n_qb * do_pk_block);  // dO, MR-row panels
+    A* const q_pk = amx ? nullptr : thread_scratch<A, 25>(sh.n_qb * q_pk_block);    // Q, MR-row panels (A operand)
+    A* const do_pk = amx ? nullptr : thread_scratch<A, 26>(sh.n_qb * do_pk_block);  // dO, MR-row panels
+    // AMX: A operands of S and dP are Q and dO's bf16 rows (zero rows past Lq).
+    c10::BFloat16* const q_bf16 = amx ? thread_scratch<c10::BFloat16, 37>(q_rows * sh.D_amx) : nullptr;
+    c10::BFloat16* const do_bf16 = amx ? thread_scratch<c10::BFloat16, 39>(q_rows * sh.Dv_amx) : nullptr;
     static_assert(kBlockQ % MR == 0 && MR <= kRowSlack, "query blocks are whole panels, the last one within the slack rows");
     A* const q_stage = thread_scratch<A, 35>(MR * sh.D_pad);    // one MR-row panel's rows
     A* const do_stage = thread_scratch<A, 36>(MR * sh.Dv_pad);
@@ -93,7 +100,7 @@ void attention_bwd_typed(const AttnArgs& a) {
     A* const delta_h = thread_scratch<A, 23>(sh.Lq);  // delta of the current head
     A* const dq_own = task_owns_dq ? thread_scratch<A, 38>(dq_head) : nullptr;
     // This task's key blocks, packed into its thread's buffers (see Packed); read-only below.
-    Packed<A> packing(sh, 1, kb1 - kb0, /*backward=*/true);
+    Packed<A> packing(sh, 1, kb1 - kb0, /*backward=*/true, amx);
     for (int64_t kb = kb0; kb < kb1; ++kb) pack_kv_block<T, A>(a, sh, packing, b, hkv, kb, 0, kb - kb0);
     const Packed<A>& pk = packing;
     // Accumulators: only the chunk's rows are read or written (GEMMs store valid rows only).
@@ -122,6 +129,20 @@ void attention_bwd_typed(const AttnArgs& a) {
         }
         put_row_panels(q_p, q_rows, i, q_i, sh.D_pad);
         put_row_panels(do_p, q_rows, i, do_i, sh.Dv_pad);
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (amx) {
+            c10::BFloat16* const q_row = q_bf16 + i * sh.D_amx;
+            c10::BFloat16* const do_row = do_bf16 + i * sh.Dv_amx;
+            if (i < sh.Lq) {
+              put_bf16_row(row_ptr<T>(a.q, b, h, i), sh.D, sh.D_amx, q_row);
+              put_bf16_row(row_ptr<T>(a.dout, b, h, i), sh.Dv, sh.Dv_amx, do_row);
+            } else {
+              std::fill(q_row, q_row + sh.D_amx, c10::BFloat16(0.0f));
+              std::fill(do_row, do_row + sh.Dv_amx, c10::BFloat16(0.0f));
+            }
+            continue;
+          }
+        }
         // A panel's last row (rows past Lq are zero): pack the panel (blocks are whole panels).
         const int64_t panel0 = i / MR * MR;
         if (i % MR == MR - 1 && panel0 < sh.Lq) {
@@ -146,10 +167,17 @@ void attention_bwd_typed(const AttnArgs& a) {
           // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in all five GEMMs.
           const Band cols_band = sh.band(a, q0, kb, Band::kColsUpTo);
           const int64_t qb = q0 / kBlockQ;
-          tile_gemm<A, 1, MR>(n_q, cols, sh.D, q_pk + qb * q_pk_block, 1, MR, pk.kt_block(0, kb - kb0),
-                       NR, sh.D * NR, p_tile, s_ld, false, cols_band, sh.D * MR);
-          tile_gemm<A, 1, MR>(n_q, cols, sh.Dv, do_pk + qb * do_pk_block, 1, MR, pk.vt_block(0, kb - kb0),
-                       NR, sh.Dv * NR, ds_tile, s_ld, false, cols_band, sh.Dv * MR);
+          if (amx) {
+            score_gemm_amx(n_q, cols, sh.D_amx, q_bf16 + q0 * sh.D_amx, sh.D_amx, pk.kw_block(0, kb - kb0),
+                           p_tile, s_ld, cols_band);
+            score_gemm_amx(n_q, cols, sh.Dv_amx, do_bf16 + q0 * sh.Dv_amx, sh.Dv_amx, pk.vw_block(0, kb - kb0),
+                           ds_tile, s_ld, cols_band);
+          } else {
+            tile_gemm<A, 1, MR>(n_q, cols, sh.D, q_pk + qb * q_pk_block, 1, MR, pk.kt_block(0, kb - kb0), NR,
+                                sh.D * NR, p_tile, s_ld, false, cols_band, sh.D * MR);
+            tile_gemm<A, 1, MR>(n_q, cols, sh.Dv, do_pk + qb * do_pk_block, 1, MR, pk.vt_block(0, kb - kb0), NR,
+                                sh.Dv * NR, ds_tile, s_ld, false, cols_band, sh.Dv * MR);
+          }
           // P exactly as the forward computed it (Shape::unmasked): straight from S with one FMA
           // (exp2_row's mul), or after score_row's scale and bias. Unmasked tiles without
           // dropout (most of them): P and dS in one pass over the row.

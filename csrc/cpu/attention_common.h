@@ -11,6 +11,7 @@
 
 #include "common/online_softmax.h"
 #include "common/philox.h"
+#include "cpu/amx_bf16.h"
 #include "cpu/cpu_kernels.h"
 #include "cpu/gemm.h"
 #include "cpu/philox_vec.h"
@@ -50,6 +51,7 @@ template <typename A>
 struct Shape {
   int64_t B, H, Hkv, G, Lq, Lk, D, Dv;
   int64_t D_pad, Dv_pad, Bk_pad, n_kb, n_qb;
+  int64_t D_amx, Dv_amx;  // D, Dv padded for the AMX score GEMMs (amx_bf16.h)
   int64_t causal_shift;  // key j is allowed for query i iff j <= i + causal_shift (when causal)
 
   explicit Shape(const AttnArgs& a) {
@@ -57,6 +59,8 @@ struct Shape {
     B = a.B; H = a.H; Hkv = a.Hkv; G = a.H / a.Hkv; Lq = a.Lq; Lk = a.Lk; D = a.D; Dv = a.Dv;
     D_pad = round_up_to(D, NR);
     Dv_pad = round_up_to(Dv, NR);
+    D_amx = amx_padded_k(D);
+    Dv_amx = amx_padded_k(Dv);
     Bk_pad = round_up_to(std::clamp<int64_t>(Lk, 1, kBlockK), NR);  // the widest block's columns
     n_kb = (Lk + kBlockK - 1) / kBlockK;
     n_qb = (Lq + kBlockQ - 1) / kBlockQ;
@@ -122,6 +126,10 @@ inline void load_row(const T* src, int64_t n, int64_t n_pad, A* dst) {
 //   vt: V^T blocks     [blocks][Bk_pad/NR][Dv][NR]    B of dP = dO V^T        (backward)
 //   vp: V by columns   [blocks][Dv_pad/NR][Bk_pad][NR] B of O += P V          (forward)
 //   kp: K by columns   [blocks][D_pad/NR][Bk_pad][NR]  B of dQ += dS K        (backward)
+// With bf16 inputs on AMX (amx = true) the score GEMMs' B operands are bf16 pair words instead
+// of kt / vt (amx_bf16.h; the inputs' own bf16 values, no rounding):
+//   kw: K^T blocks     [blocks][Bk_pad/16][D_amx/2][16]   B of S = Q K^T
+//   vw: V^T blocks     [blocks][Bk_pad/16][Dv_amx/2][16]  B of dP = dO V^T    (backward)
 // The forward packs every (batch, kv head) up front, in parallel (its tasks are query blocks
 // of a head and share the head's packed blocks); each backward task packs the key blocks it
 // owns into its thread's buffers (heads = 1), so they are written to and read back from cache,
@@ -129,17 +137,30 @@ inline void load_row(const T* src, int64_t n, int64_t n_pad, A* dst) {
 template <typename A>
 struct Packed {
   A *kt = nullptr, *vt = nullptr, *vp = nullptr, *kp = nullptr;
+  uint32_t *kw = nullptr, *vw = nullptr;
   int64_t kt_block_size = 0, vt_block_size = 0, vp_block_size = 0, kp_block_size = 0;
+  int64_t kw_block_size = 0, vw_block_size = 0;
   int64_t blocks = 0;  // key blocks per head
 
-  Packed(const Shape<A>& sh, int64_t heads, int64_t blocks_per_head, bool backward) : blocks(blocks_per_head) {
-    kt_block_size = sh.Bk_pad * sh.D;
-    kt = thread_scratch<A, 40>(heads * blocks * kt_block_size);
+  Packed(const Shape<A>& sh, int64_t heads, int64_t blocks_per_head, bool backward, bool amx)
+      : blocks(blocks_per_head) {
+    if (amx) {
+      kw_block_size = sh.Bk_pad * sh.D_amx / 2;
+      kw = thread_scratch<uint32_t, 46>(heads * blocks * kw_block_size);
+    } else {
+      kt_block_size = sh.Bk_pad * sh.D;
+      kt = thread_scratch<A, 40>(heads * blocks * kt_block_size);
+    }
     if (backward) {
-      vt_block_size = sh.Bk_pad * sh.Dv;
       kp_block_size = sh.Bk_pad * sh.D_pad;
-      vt = thread_scratch<A, 41>(heads * blocks * vt_block_size);
       kp = thread_scratch<A, 42>(heads * blocks * kp_block_size);
+      if (amx) {
+        vw_block_size = sh.Bk_pad * sh.Dv_amx / 2;
+        vw = thread_scratch<uint32_t, 47>(heads * blocks * vw_block_size);
+      } else {
+        vt_block_size = sh.Bk_pad * sh.Dv;
+        vt = thread_scratch<A, 41>(heads * blocks * vt_block_size);
+      }
     } else {
       vp_block_size = sh.Bk_pad * sh.Dv_pad;
       vp = thread_scratch<A, 43>(heads * blocks * vp_block_size);
@@ -155,10 +176,24 @@ struct Packed {
   A* vt_block(int64_t bh, int64_t blk) { return block(vt, vt_block_size, bh, blk); }
   A* vp_block(int64_t bh, int64_t blk) { return block(vp, vp_block_size, bh, blk); }
   A* kp_block(int64_t bh, int64_t blk) { return block(kp, kp_block_size, bh, blk); }
+  const uint32_t* kw_block(int64_t bh, int64_t blk) const { return block(kw, kw_block_size, bh, blk); }
+  const uint32_t* vw_block(int64_t bh, int64_t blk) const { return block(vw, vw_block_size, bh, blk); }
+  uint32_t* kw_block(int64_t bh, int64_t blk) { return block(kw, kw_block_size, bh, blk); }
+  uint32_t* vw_block(int64_t bh, int64_t blk) { return block(vw, vw_block_size, bh, blk); }
 
  private:
-  A* block(A* base, int64_t block_size, int64_t bh, int64_t blk) const { return base + (bh * blocks + blk) * block_size; }
+  template <typename E>
+  E* block(E* base, int64_t block_size, int64_t bh, int64_t blk) const { return base + (bh * blocks + blk) * block_size; }
 };
+
+// S (or dP) = A B^T of bf16 operands on AMX (amx_bf16.h) into an fp32 score tile; only ever
+// called with amx on, which implies T = bf16 and A = float.
+template <typename A>
+inline void score_gemm_amx(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t lda, const uint32_t* b,
+                           A* c, int64_t ldc, Band band) {
+  if constexpr (std::is_same_v<A, float>) amx_tile_gemm(M, N, K, a, lda, b, c, ldc, band);
+  else TORCH_INTERNAL_ASSERT(false, "AMX score GEMM with a non-fp32 tile");
+}
 
 // Writes row `key` (n values, zero padded to n_pad) as element (key, c) of a panel-major
 // [n_pad/NR][rows][NR] matrix.
@@ -240,12 +275,14 @@ inline void put_rows_transposed_panels(const A* rows, int64_t ld, int64_t n_rows
 }
 
 // Packs key block kb of kv head (b, h) into block `blk` of packed head `dst_head`, through
-// the block's rows converted to fp32 in the calling thread's scratch.
+// the block's rows converted to fp32 (and, for the AMX layouts, copied as bf16) in the calling
+// thread's scratch.
 template <typename T, typename A>
 void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t b, int64_t h,
                    int64_t kb, int64_t dst_head, int64_t blk) {
   A* const k_rows = thread_scratch<A, 44>(sh.Bk_pad * sh.D_pad);
   A* const v_rows = thread_scratch<A, 45>(sh.Bk_pad * sh.Dv_pad);
+  const bool k_fp32 = pk.kt || pk.kp, v_fp32 = pk.vt || pk.vp;
   // Only the block's score columns (Shape::block_cols): the panels of a short last block past
   // them are never read (its tile GEMMs stop there), so they are not written either.
   const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
@@ -253,14 +290,28 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t
     A* k_row = k_rows + j * sh.D_pad;
     A* v_row = v_rows + j * sh.Dv_pad;
     if (j < n_keys) {
-      load_row(row_ptr<T>(a.k, b, h, k0 + j), sh.D, sh.D_pad, k_row);
-      load_row(row_ptr<T>(a.v, b, h, k0 + j), sh.Dv, sh.Dv_pad, v_row);
+      if (k_fp32) load_row(row_ptr<T>(a.k, b, h, k0 + j), sh.D, sh.D_pad, k_row);
+      if (v_fp32) load_row(row_ptr<T>(a.v, b, h, k0 + j), sh.Dv, sh.Dv_pad, v_row);
     } else {
-      std::fill(k_row, k_row + sh.D_pad, A(0));
-      std::fill(v_row, v_row + sh.Dv_pad, A(0));
+      if (k_fp32) std::fill(k_row, k_row + sh.D_pad, A(0));
+      if (v_fp32) std::fill(v_row, v_row + sh.Dv_pad, A(0));
     }
   }
-  put_rows_transposed_panels(k_rows, sh.D_pad, cols, sh.D, pk.kt_block(dst_head, blk));
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // AMX pair words from the bf16 rows themselves (zero rows past the block's keys).
+    auto put_pairs = [&](const View4& view, int64_t n, int64_t n_amx, uint32_t* dst) {
+      c10::BFloat16* const rows = thread_scratch<c10::BFloat16, 48>(cols * n_amx);
+      for (int64_t j = 0; j < cols; ++j) {
+        c10::BFloat16* row = rows + j * n_amx;
+        if (j < n_keys) put_bf16_row(row_ptr<T>(view, b, h, k0 + j), n, n_amx, row);
+        else std::fill(row, row + n_amx, c10::BFloat16(0.0f));
+      }
+      put_rows_pair_panels(rows, n_amx, cols, n_amx, dst);
+    };
+    if (pk.kw) put_pairs(a.k, sh.D, sh.D_amx, pk.kw_block(dst_head, blk));
+    if (pk.vw) put_pairs(a.v, sh.Dv, sh.Dv_amx, pk.vw_block(dst_head, blk));
+  }
+  if (pk.kt) put_rows_transposed_panels(k_rows, sh.D_pad, cols, sh.D, pk.kt_block(dst_head, blk));
   if (pk.vt) put_rows_transposed_panels(v_rows, sh.Dv_pad, cols, sh.Dv, pk.vt_block(dst_head, blk));
   for (int64_t j = 0; j < cols; ++j) {
     if (pk.vp) put_row_panels(pk.vp_block(dst_head, blk), sh.Bk_pad, j, v_rows + j * sh.Dv_pad, sh.Dv_pad);

@@ -39,16 +39,19 @@ void attention_fwd_typed(const AttnArgs& a) {
   using V = Vectorized<A>;
   constexpr int64_t NR = MicroShape<A>::kNR;
   const Shape<A> sh(a);
+  // bf16 on AMX: S = Q K^T from the bf16 inputs on the tiles (amx_bf16.h), P V as below.
+  const bool amx = std::is_same_v<T, c10::BFloat16> && use_amx_bf16();
   // Heads whose packed K/V fit in L2 with room to spare, when there are enough of them to keep
   // every thread busy: a task is a whole head and packs its own K/V into its thread's buffers
   // (written and read back from cache). Otherwise tasks are query blocks, sharing K/V packed
   // up front for every head (written to memory and read back by each task of the head).
-  const int64_t head_packed_bytes = sh.n_kb * sh.Bk_pad * (sh.D + sh.Dv_pad) * static_cast<int64_t>(sizeof(A));
+  const int64_t k_packed_bytes = amx ? sh.D_amx * 2 : sh.D * static_cast<int64_t>(sizeof(A));  // per key
+  const int64_t head_packed_bytes = sh.n_kb * sh.Bk_pad * (k_packed_bytes + sh.Dv_pad * static_cast<int64_t>(sizeof(A)));
   const bool pack_in_task = head_packed_bytes <= kPackInTaskBytes &&
                             sh.B * sh.H >= kHeadTasksPerThread * at::get_num_threads();
   std::optional<Packed<A>> shared;
   if (!pack_in_task) {
-    shared.emplace(sh, sh.B * sh.Hkv, sh.n_kb, /*backward=*/false);
+    shared.emplace(sh, sh.B * sh.Hkv, sh.n_kb, /*backward=*/false, amx);
     pack_kv<T, A>(a, sh, *shared);
   }
 
@@ -64,14 +67,25 @@ void attention_fwd_typed(const AttnArgs& a) {
     const int64_t q0 = qb * kBlockQ, n_q = std::min(kBlockQ, sh.Lq - q0);
     constexpr int64_t MR = MicroShape<A>::kMR;
     A* const q_rows = thread_scratch<A, 12>(MR * sh.D_pad);  // one panel's rows, staged
-    A* const q_packed = thread_scratch<A, 18>(kQBlockRows<A> * sh.D);  // MR-row panels
+    A* const q_packed = amx ? nullptr : thread_scratch<A, 18>(kQBlockRows<A> * sh.D);  // MR-row panels
+    // AMX: the block's bf16 rows, zero rows up to a multiple of 16.
+    c10::BFloat16* const q_bf16 = amx ? thread_scratch<c10::BFloat16, 19>((kBlockQ + 16) * sh.D_amx) : nullptr;
     A* const s_tile = thread_scratch<A, 13>((kBlockQ + kRowSlack) * s_ld);
     A* const acc = thread_scratch<A, 14>(kBlockQ * sh.Dv_pad);
     A* const bias = thread_scratch<A, 15>(sh.Bk_pad);
     A* const row_max = thread_scratch<A, 16>(kBlockQ);
     A* const row_sum = thread_scratch<A, 17>(kBlockQ);
 
-    for (int64_t p0 = 0; p0 < n_q; p0 += MR) {
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (amx) {
+        for (int64_t i = 0; i < round_up_to(n_q, 16); ++i) {
+          c10::BFloat16* row = q_bf16 + i * sh.D_amx;
+          if (i < n_q) put_bf16_row(row_ptr<T>(a.q, b, h, q0 + i), sh.D, sh.D_amx, row);
+          else std::fill(row, row + sh.D_amx, c10::BFloat16(0.0f));
+        }
+      }
+    }
+    for (int64_t p0 = 0; p0 < n_q && !amx; p0 += MR) {
       for (int64_t r = 0; r < MR; ++r) {
         A* q_row = q_rows + r * sh.D_pad;
         if (p0 + r < n_q) {
@@ -91,8 +105,13 @@ void attention_fwd_typed(const AttnArgs& a) {
     for (int64_t kb = 0; kb < kb_end; ++kb) {
       const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
       // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in both GEMMs.
-      tile_gemm<A, 1, MR>(n_q, cols, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb), NR,
-                   sh.D * NR, s_tile, s_ld, false, sh.band(a, q0, kb, Band::kColsUpTo), sh.D * MR);
+      if (amx) {
+        score_gemm_amx(n_q, cols, sh.D_amx, q_bf16, sh.D_amx, pk.kw_block(bh_kv, kb), s_tile, s_ld,
+                       sh.band(a, q0, kb, Band::kColsUpTo));
+      } else {
+        tile_gemm<A, 1, MR>(n_q, cols, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb), NR, sh.D * NR, s_tile,
+                            s_ld, false, sh.band(a, q0, kb, Band::kColsUpTo), sh.D * MR);
+      }
       const bool diagonal = sh.diagonal(a, q0, kb);
       // P as the backward computes it (Shape::unmasked): straight from S with one FMA per
       // score, or after score_row's scale and bias. (A scale <= 0, allowed, flips which score
@@ -132,13 +151,14 @@ void attention_fwd_typed(const AttnArgs& a) {
 
   const int64_t n_tasks = pack_in_task ? sh.B * sh.H : sh.B * sh.H * sh.n_qb;
   parallel_tasks(n_tasks, flops, [&](int64_t task) {
+    const AmxTiles tiles(amx);
     const int64_t bh = pack_in_task ? task : task / sh.n_qb;
     const int64_t b = bh / sh.H, h = bh % sh.H, hkv = h / sh.G;
     if (!pack_in_task) {
       query_block(*shared, b * sh.Hkv + hkv, b, h, task % sh.n_qb);
       return;
     }
-    Packed<A> own(sh, 1, sh.n_kb, /*backward=*/false);
+    Packed<A> own(sh, 1, sh.n_kb, /*backward=*/false, amx);
     const int64_t kb_end = sh.kb_end(a, sh.Lq);  // the blocks some query of the head can see
     for (int64_t kb = 0; kb < kb_end; ++kb) pack_kv_block<T, A>(a, sh, own, b, hkv, kb, 0, kb);
     for (int64_t qb = 0; qb < sh.n_qb; ++qb) query_block(own, 0, b, h, qb);

@@ -13,6 +13,12 @@ namespace fastformer::cpu {
 
 constexpr int kMaxDims = 8;
 
+// Whether the AVX-512 level may use AMX-BF16 tile instructions (csrc/cpu/amx_bf16.h) for bf16
+// inputs: the CPU has AMX-TILE and AMX-BF16, the kernel granted the process the tile data state
+// (arch_prctl), and neither FASTFORMER_CPU_AMX=0 nor set_cpu_amx(False) turned it off. Decided
+// on first use (bindings.cpp); the other levels never ask.
+bool amx_bf16_enabled();
+
 // Addresses row r of a tensor whose last dimension is contiguous and whose leading dimensions
 // have arbitrary strides (transposed views, slices). Dimensions are coalesced by the bindings,
 // so the common contiguous case has ndim == 1 and costs one multiply.
