@@ -1,6 +1,7 @@
-// AMX-BF16 tile GEMM for the attention score GEMMs with bf16 inputs (S = Q K^T in both passes,
-// dP = dO V^T in the backward), at the AVX-512 level on CPUs with AMX (amx_bf16_enabled(),
-// cpu_kernels.h); the other levels and dtypes use the fp32 micro-kernel (gemm.h).
+// AMX-BF16 tile GEMM for the attention GEMMs with bf16 inputs (attention_fwd.cpp,
+// attention_bwd.cpp say which operands are rounded to bf16), and the layouts it reads, at the
+// AVX-512 level on CPUs with AMX (amx_bf16_enabled(), cpu_kernels.h); the other levels and
+// dtypes use the fp32 micro-kernel (gemm.h).
 //
 // C[M x N] (fp32) = A[M x K] B[K x N] with A and B in bf16: TDPBF16PS multiplies a 16 x 32 bf16
 // A tile by a 32 x 16 B tile into a 16 x 16 fp32 tile (bf16 products are exact in fp32; sums
@@ -10,9 +11,10 @@
 //   B: "pair words", the layout TDPBF16PS reads: elements (2p, j) and (2p + 1, j) as one 32-bit
 //      word, 16-column panels: word (p, j) at b[(j / 16) * (K / 2) * 16 + p * 16 + j % 16]. For
 //      B = K^T of a row-major K this is a 32-bit transpose of K's rows read as words
-//      (put_rows_pair_panels).
-//   C: element (i, j) at c[i * ldc + j]; rows up to round_up(M, 16) are written (zero rows of A
-//      give zero rows of C), N is a multiple of 16.
+//      (put_rows_pair_panels); for B = a row-major matrix itself, its rows interleaved in pairs
+//      (put_row_pairs_panels).
+//   C: element (i, j) at c[i * ldc + j], written (C = A B) or loaded and added to (C += A B);
+//      rows up to round_up(M, 16) are stored (zero rows of A add nothing), N is a multiple of 16.
 // Per 32 x 32 block of C: four accumulator tiles (tmm0-3); per 32 values of K two A tiles and
 // two B tiles (tmm4-7, 4 KB from L1/L2) feed four TDPBF16PS (32 K multiply-adds). One core,
 // 128 x 192 x 64 with the C stores: 667 GFLOP/s, against ~200 for the fp32 micro-kernel.
@@ -23,6 +25,7 @@
 #include <c10/util/BFloat16.h>
 
 #include <cstdint>
+#include <cstring>
 
 #include "cpu/cpu_kernels.h"
 #include "cpu/gemm.h"
@@ -67,6 +70,52 @@ inline void put_rows_pair_panels(const c10::BFloat16* rows, int64_t ld, int64_t 
       transpose_8x8<float>(src + r0 * ld_words + w, ld_words, out + (r0 / 16) * words * 16 + w * 16 + r0 % 16, 16);
 }
 
+// Rows [0, n_rows) of bf16 `rows` (row stride ld, n_rows even, n_cols a multiple of 32) as
+// the pair-word B operand of the matrix itself (K = its rows): word (p, j) holds elements
+// (2p, j) and (2p + 1, j), in 16-column panels of n_rows / 2 words each (the header's layout).
+// AVX-512: two 32-value row segments interleaved by two VPERMT2W.
+inline void put_row_pairs_panels(const c10::BFloat16* rows, int64_t ld, int64_t n_rows, int64_t n_cols, uint32_t* dst) {
+  const int64_t pairs = n_rows / 2;
+#if defined(CPU_CAPABILITY_AVX512)
+  alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i idx_lo = _mm512_load_si512(kLo);
+  const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+  for (int64_t p = 0; p < pairs; ++p) {
+    const c10::BFloat16* even = rows + 2 * p * ld;
+    for (int64_t c = 0; c < n_cols; c += 32) {
+      const __m512i e = _mm512_loadu_si512(even + c), o = _mm512_loadu_si512(even + ld + c);
+      uint32_t* panel = dst + (c / 16) * pairs * 16 + p * 16;
+      _mm512_storeu_si512(panel, _mm512_permutex2var_epi16(e, idx_lo, o));
+      _mm512_storeu_si512(panel + pairs * 16, _mm512_permutex2var_epi16(e, idx_hi, o));
+    }
+  }
+#else
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int64_t j = 0; j < n_cols; ++j) {
+      uint16_t lo, hi;
+      std::memcpy(&lo, rows + 2 * p * ld + j, 2);
+      std::memcpy(&hi, rows + (2 * p + 1) * ld + j, 2);
+      dst[(j / 16) * pairs * 16 + p * 16 + j % 16] = lo | static_cast<uint32_t>(hi) << 16;
+    }
+#endif
+}
+
+// The transpose of bf16 rows [0, n_rows) x [0, n_cols) (row stride ld; n_rows a multiple of 16,
+// n_cols of 32) into n_cols rows of dst (row stride ld_dst, even): row pairs interleaved into
+// words (put_row_pairs_panels, into `words`, n_rows * n_cols / 2 of them), then 8 x 8 word
+// transposes: word (p, c) of the interleave is dst's row c, elements 2p and 2p + 1.
+inline void transpose_bf16(const c10::BFloat16* rows, int64_t ld, int64_t n_rows, int64_t n_cols, c10::BFloat16* dst,
+                           int64_t ld_dst, uint32_t* words) {
+  const int64_t pairs = n_rows / 2;
+  put_row_pairs_panels(rows, ld, n_rows, n_cols, words);
+  const float* w = reinterpret_cast<const float*>(words);
+  float* out = reinterpret_cast<float*>(dst);
+  for (int64_t c = 0; c < n_cols; c += 8)
+    for (int64_t p = 0; p < pairs; p += 8)
+      transpose_8x8<float>(w + (c / 16) * pairs * 16 + p * 16 + c % 16, 16, out + c * (ld_dst / 2) + p, ld_dst / 2);
+}
+
 // The calling thread's tiles configured for amx_tile_gemm (eight 16-row x 64-byte tiles,
 // palette 1) for the scope's lifetime when `on`; released at its end.
 class AmxTiles {
@@ -107,15 +156,22 @@ class AmxTiles {
 
 #ifdef FF_HAVE_AMX
 
-// One (16 RT) x (16 CT) block of C, RT, CT in {1, 2}.
+// One (16 RT) x (16 CT) block of C (+)= A B over [0, K), RT, CT in {1, 2}.
 template <int RT, int CT>
 FF_AMX_TARGET inline void amx_block(int64_t K, const c10::BFloat16* a, int64_t lda, const uint32_t* b,
-                                    int64_t b_panel, float* c, int64_t ldc) {
+                                    int64_t b_panel, float* c, int64_t ldc, bool accumulate) {
   const int64_t a_stride = lda * 2, c_stride = ldc * 4;  // bytes
-  _tile_zero(0);
-  if constexpr (CT == 2) _tile_zero(1);
-  if constexpr (RT == 2) _tile_zero(2);
-  if constexpr (RT == 2 && CT == 2) _tile_zero(3);
+  if (accumulate) {
+    _tile_loadd(0, c, c_stride);
+    if constexpr (CT == 2) _tile_loadd(1, c + 16, c_stride);
+    if constexpr (RT == 2) _tile_loadd(2, c + 16 * ldc, c_stride);
+    if constexpr (RT == 2 && CT == 2) _tile_loadd(3, c + 16 * ldc + 16, c_stride);
+  } else {
+    _tile_zero(0);
+    if constexpr (CT == 2) _tile_zero(1);
+    if constexpr (RT == 2) _tile_zero(2);
+    if constexpr (RT == 2 && CT == 2) _tile_zero(3);
+  }
   for (int64_t k = 0; k < K; k += kAmxK) {
     _tile_loadd(4, a + k, a_stride);
     if constexpr (RT == 2) _tile_loadd(5, a + 16 * lda + k, a_stride);
@@ -132,12 +188,14 @@ FF_AMX_TARGET inline void amx_block(int64_t K, const c10::BFloat16* a, int64_t l
   if constexpr (RT == 2 && CT == 2) _tile_stored(3, c + 16 * ldc + 16, c_stride);
 }
 
-// C = A B as described in the header, inside an AmxTiles scope. band (kColsUpTo only) skips
-// 32 x 32 blocks wholly above the causal diagonal; entries it does not skip are all written.
+// C (+)= A B as described in the header, inside an AmxTiles scope. band: kColsUpTo skips 32 x 32
+// blocks of C wholly above the causal diagonal (entries it does not skip are all written);
+// kInnerUpTo ends each 32-row block's K range at the last 32 values its rows may use (the
+// caller's A is zero past each row's own end).
 FF_AMX_TARGET inline void amx_tile_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t lda,
-                                        const uint32_t* b, float* c, int64_t ldc, Band band = {}) {
-  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(K % kAmxK == 0 && N % 16 == 0 && band.kind != Band::kInnerUpTo &&
-                                   band.kind != Band::kInnerFrom);
+                                        const uint32_t* b, float* c, int64_t ldc, bool accumulate = false,
+                                        Band band = {}) {
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(K % kAmxK == 0 && N % 16 == 0 && band.kind != Band::kInnerFrom);
   const int64_t b_panel = K / 2 * 16;  // words per 16-column panel
   for (int64_t j = 0; j < N; j += 32) {
     const bool two_cols = j + 16 < N;
@@ -148,16 +206,20 @@ FF_AMX_TARGET inline void amx_tile_gemm(int64_t M, int64_t N, int64_t K, const c
       const bool two_rows = i + 16 < M;
       const c10::BFloat16* a_i = a + i * lda;
       float* c_ij = c + i * ldc + j;
-      if (two_rows && two_cols) amx_block<2, 2>(K, a_i, lda, b_j, b_panel, c_ij, ldc);
-      else if (two_rows) amx_block<2, 1>(K, a_i, lda, b_j, b_panel, c_ij, ldc);
-      else if (two_cols) amx_block<1, 2>(K, a_i, lda, b_j, b_panel, c_ij, ldc);
-      else amx_block<1, 1>(K, a_i, lda, b_j, b_panel, c_ij, ldc);
+      // kInnerUpTo: rows i .. i + 31 use K values up to i + 31 + diag.
+      const int64_t k_end = band.kind == Band::kInnerUpTo
+                                ? std::clamp<int64_t>(round_up_to(std::max<int64_t>(0, i + 32 + band.diag), kAmxK), 0, K)
+                                : K;
+      if (two_rows && two_cols) amx_block<2, 2>(k_end, a_i, lda, b_j, b_panel, c_ij, ldc, accumulate);
+      else if (two_rows) amx_block<2, 1>(k_end, a_i, lda, b_j, b_panel, c_ij, ldc, accumulate);
+      else if (two_cols) amx_block<1, 2>(k_end, a_i, lda, b_j, b_panel, c_ij, ldc, accumulate);
+      else amx_block<1, 1>(k_end, a_i, lda, b_j, b_panel, c_ij, ldc, accumulate);
     }
   }
 }
 #else
 inline void amx_tile_gemm(int64_t, int64_t, int64_t, const c10::BFloat16*, int64_t, const uint32_t*, float*,
-                          int64_t, Band = {}) {
+                          int64_t, bool = false, Band = {}) {
   TORCH_INTERNAL_ASSERT(false, "AMX GEMM at a level without AMX");
 }
 #endif  // FF_HAVE_AMX

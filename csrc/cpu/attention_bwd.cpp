@@ -23,6 +23,13 @@
 // one head in fp32 (MR-row panels for the A operands, column panels for the B operands); dK,
 // dV accumulators of its keys; one head's dQ (one chunk) or the shared dQ partials (chunks x B
 // x H x Lq x D fp32). Reads q, k, v, out, dout once per task (k, v: its keys only).
+//
+// bf16 with AMX (amx_bf16.h): all five GEMMs on the tiles. S and dP from the inputs' bf16 rows
+// (exact products), dQ += dS K with dS rounded to bf16, and dK, dV transposed so that the
+// tiles' B operand is a tile's rows interleaved in query pairs: dV^T += dO^T P', dK^T += Q^T dS
+// (P' and dS rounded to bf16, as FlashAttention rounds them; Q^T and dO^T in bf16 once per head),
+// into fp32 dK^T / dV^T accumulators transposed back when the task writes its keys. Probabilities,
+// dS and every accumulator stay fp32.
 #include <vector>
 
 #include "cpu/attention_common.h"
@@ -41,9 +48,11 @@ void attention_bwd_typed(const AttnArgs& a) {
   constexpr int64_t kV = V::size();
   constexpr int64_t NR = MicroShape<A>::kNR;
   const Shape<A> sh(a);
-  // bf16 on AMX: S = Q K^T and dP = dO V^T from the bf16 inputs on the tiles (amx_bf16.h), as
-  // the forward computes S; the other three GEMMs as below.
+  // bf16 on AMX: S = Q K^T and dP = dO V^T from the bf16 inputs (S as the forward computes it),
+  // and dQ += dS K with dS rounded to bf16 (as FlashAttention does), on the tiles (amx_bf16.h);
+  // dV and dK on the fp32 micro-kernel as below.
   const bool amx = std::is_same_v<T, c10::BFloat16> && use_amx_bf16();
+  TORCH_INTERNAL_ASSERT(!amx || sh.D_amx == sh.D_pad, "AMX dQ tiles write rows D_pad wide");
 
   const int64_t n_chunks = std::clamp<int64_t>((kMinTasks + sh.B * sh.Hkv - 1) / (sh.B * sh.Hkv), 1, sh.n_kb);
   const int64_t kb_per_chunk = (sh.n_kb + n_chunks - 1) / n_chunks;
@@ -83,14 +92,39 @@ void attention_bwd_typed(const AttnArgs& a) {
     const int64_t q_pk_block = kQBlockRows<A> * sh.D, do_pk_block = kQBlockRows<A> * sh.Dv;
     A* const q_pk = amx ? nullptr : thread_scratch<A, 25>(sh.n_qb * q_pk_block);    // Q, MR-row panels (A operand)
     A* const do_pk = amx ? nullptr : thread_scratch<A, 26>(sh.n_qb * do_pk_block);  // dO, MR-row panels
-    // AMX: A operands of S and dP are Q and dO's bf16 rows (zero rows past Lq).
-    c10::BFloat16* const q_bf16 = amx ? thread_scratch<c10::BFloat16, 37>(q_rows * sh.D_amx) : nullptr;
-    c10::BFloat16* const do_bf16 = amx ? thread_scratch<c10::BFloat16, 39>(q_rows * sh.Dv_amx) : nullptr;
+    // AMX operands (see the top of the function): Q and dO's bf16 rows (A of S and dP; zero rows
+    // past Lq, qt_cols of them) and their transposes (A of dK^T and dV^T; zero columns past Lq,
+    // a query block's 32-rounded range within qt_cols); P' and dS rounded to bf16 (rows of
+    // kBlockK, zero rows up to a multiple of 32) and interleaved in query pairs; dK^T and dV^T
+    // accumulators (keys_ld columns: the chunk's key blocks).
+    const int64_t qt_cols = round_up_to(sh.Lq, 16) + 32, keys_ld = (kb1 - kb0) * kBlockK;
+    constexpr int64_t kQBlockRows32 = (kBlockQ + 31) / 32 * 32;
+    c10::BFloat16 *q_bf16 = nullptr, *do_bf16 = nullptr, *qt_bf16 = nullptr, *dot_bf16 = nullptr;
+    c10::BFloat16 *p_bf16 = nullptr, *ds_bf16 = nullptr;
+    uint32_t *p_pairs = nullptr, *ds_pairs = nullptr, *t_words = nullptr;
+    A *dkt_acc = nullptr, *dvt_acc = nullptr;
+    if (amx) {
+      q_bf16 = thread_scratch<c10::BFloat16, 37>(qt_cols * sh.D_amx);
+      do_bf16 = thread_scratch<c10::BFloat16, 39>(qt_cols * sh.Dv_amx);
+      qt_bf16 = thread_scratch<c10::BFloat16, 51>(sh.D_amx * qt_cols);
+      dot_bf16 = thread_scratch<c10::BFloat16, 52>(sh.Dv_amx * qt_cols);
+      t_words = thread_scratch<uint32_t, 53>(qt_cols * std::max(sh.D_amx, sh.Dv_amx) / 2);
+      p_bf16 = thread_scratch<c10::BFloat16, 21>(kQBlockRows32 * kBlockK);
+      ds_bf16 = thread_scratch<c10::BFloat16, 22>(kQBlockRows32 * kBlockK);
+      p_pairs = thread_scratch<uint32_t, 54>(kQBlockRows32 * kBlockK / 2);
+      ds_pairs = thread_scratch<uint32_t, 55>(kQBlockRows32 * kBlockK / 2);
+      dkt_acc = thread_scratch<A, 56>(sh.D_amx * keys_ld);
+      dvt_acc = thread_scratch<A, 57>(sh.Dv_amx * keys_ld);
+      std::fill(dkt_acc, dkt_acc + sh.D_amx * keys_ld, A(0));
+      std::fill(dvt_acc, dvt_acc + sh.Dv_amx * keys_ld, A(0));
+      std::fill(q_bf16 + q_rows * sh.D_amx, q_bf16 + qt_cols * sh.D_amx, c10::BFloat16(0.0f));
+      std::fill(do_bf16 + q_rows * sh.Dv_amx, do_bf16 + qt_cols * sh.Dv_amx, c10::BFloat16(0.0f));
+    }
     static_assert(kBlockQ % MR == 0 && MR <= kRowSlack, "query blocks are whole panels, the last one within the slack rows");
     A* const q_stage = thread_scratch<A, 35>(MR * sh.D_pad);    // one MR-row panel's rows
     A* const do_stage = thread_scratch<A, 36>(MR * sh.Dv_pad);
-    A* const q_p = thread_scratch<A, 33>(q_rows * sh.D_pad);    // Q, column panels (B operand)
-    A* const do_p = thread_scratch<A, 34>(q_rows * sh.Dv_pad);  // dO, column panels
+    A* const q_p = amx ? nullptr : thread_scratch<A, 33>(q_rows * sh.D_pad);    // Q, column panels (B operand)
+    A* const do_p = amx ? nullptr : thread_scratch<A, 34>(q_rows * sh.Dv_pad);  // dO, column panels
     A* const dk_acc = thread_scratch<A, 27>((n_chunk_keys + kRowSlack) * sh.D_pad);
     A* const dv_acc = thread_scratch<A, 28>((n_chunk_keys + kRowSlack) * sh.Dv_pad);
     A* const p_tile = thread_scratch<A, 29>((kBlockQ + kRowSlack) * s_ld);
@@ -104,8 +138,10 @@ void attention_bwd_typed(const AttnArgs& a) {
     for (int64_t kb = kb0; kb < kb1; ++kb) pack_kv_block<T, A>(a, sh, packing, b, hkv, kb, 0, kb - kb0);
     const Packed<A>& pk = packing;
     // Accumulators: only the chunk's rows are read or written (GEMMs store valid rows only).
-    std::fill(dk_acc, dk_acc + n_chunk_keys * sh.D_pad, A(0));
-    std::fill(dv_acc, dv_acc + n_chunk_keys * sh.Dv_pad, A(0));
+    if (!amx) {
+      std::fill(dk_acc, dk_acc + n_chunk_keys * sh.D_pad, A(0));
+      std::fill(dv_acc, dv_acc + n_chunk_keys * sh.Dv_pad, A(0));
+    }
 
     // Every head rewrites the packed Q / dO panels a tile reads (rows past Lq from zero rows).
     for (int64_t g = 0; g < sh.G; ++g) {
@@ -127,8 +163,6 @@ void attention_bwd_typed(const AttnArgs& a) {
           std::fill(q_i, q_i + sh.D_pad, A(0));
           std::fill(do_i, do_i + sh.Dv_pad, A(0));
         }
-        put_row_panels(q_p, q_rows, i, q_i, sh.D_pad);
-        put_row_panels(do_p, q_rows, i, do_i, sh.Dv_pad);
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
           if (amx) {
             c10::BFloat16* const q_row = q_bf16 + i * sh.D_amx;
@@ -143,6 +177,8 @@ void attention_bwd_typed(const AttnArgs& a) {
             continue;
           }
         }
+        put_row_panels(q_p, q_rows, i, q_i, sh.D_pad);
+        put_row_panels(do_p, q_rows, i, do_i, sh.Dv_pad);
         // A panel's last row (rows past Lq are zero): pack the panel (blocks are whole panels).
         const int64_t panel0 = i / MR * MR;
         if (i % MR == MR - 1 && panel0 < sh.Lq) {
@@ -150,6 +186,10 @@ void attention_bwd_typed(const AttnArgs& a) {
           put_mr_panel(q_stage, sh.D_pad, sh.D, q_pk + (panel0 / kBlockQ) * q_pk_block + at);
           put_mr_panel(do_stage, sh.Dv_pad, sh.Dv, do_pk + (panel0 / kBlockQ) * do_pk_block + at_do);
         }
+      }
+      if (amx) {
+        transpose_bf16(q_bf16, sh.D_amx, qt_cols, sh.D_amx, qt_bf16, qt_cols, t_words);
+        transpose_bf16(do_bf16, sh.Dv_amx, qt_cols, sh.Dv_amx, dot_bf16, qt_cols, t_words);
       }
       A* const dq = task_owns_dq ? dq_own : dq_part + (chunk * sh.B * sh.H + b * sh.H + h) * dq_head;
       if (task_owns_dq) std::fill(dq, dq + sh.Lq * sh.D_pad, A(0));  // rows < Lq are used
@@ -168,10 +208,10 @@ void attention_bwd_typed(const AttnArgs& a) {
           const Band cols_band = sh.band(a, q0, kb, Band::kColsUpTo);
           const int64_t qb = q0 / kBlockQ;
           if (amx) {
-            score_gemm_amx(n_q, cols, sh.D_amx, q_bf16 + q0 * sh.D_amx, sh.D_amx, pk.kw_block(0, kb - kb0),
-                           p_tile, s_ld, cols_band);
-            score_gemm_amx(n_q, cols, sh.Dv_amx, do_bf16 + q0 * sh.Dv_amx, sh.Dv_amx, pk.vw_block(0, kb - kb0),
-                           ds_tile, s_ld, cols_band);
+            tile_gemm_amx(n_q, cols, sh.D_amx, q_bf16 + q0 * sh.D_amx, sh.D_amx, pk.kw_block(0, kb - kb0), p_tile,
+                          s_ld, false, cols_band);
+            tile_gemm_amx(n_q, cols, sh.Dv_amx, do_bf16 + q0 * sh.Dv_amx, sh.Dv_amx, pk.vw_block(0, kb - kb0), ds_tile,
+                          s_ld, false, cols_band);
           } else {
             tile_gemm<A, 1, MR>(n_q, cols, sh.D, q_pk + qb * q_pk_block, 1, MR, pk.kt_block(0, kb - kb0), NR,
                                 sh.D * NR, p_tile, s_ld, false, cols_band, sh.D * MR);
@@ -231,12 +271,32 @@ void attention_bwd_typed(const AttnArgs& a) {
           // dV += P'^T dO, dK += dS^T Q (transposed views of the tiles), dQ += dS K.
           const Band keys_band = sh.band(a, q0, kb, Band::kInnerFrom);
           const Band inner_band = sh.band(a, q0, kb, Band::kInnerUpTo);
+          if (amx) {
+            // dV^T += dO^T P', dK^T += Q^T dS over the block's queries rounded up to 32 (the rows
+            // past n_q zero), whole tiles (P' and dS are 0 above the diagonal); dQ += dS K.
+            const int64_t n_q32 = round_up_to(n_q, 32);
+            for (int64_t i = 0; i < n_q; ++i) {
+              round_row_to_bf16(pd_tile + i * s_ld, cols, p_bf16 + i * kBlockK);
+              round_row_to_bf16(ds_tile + i * s_ld, cols, ds_bf16 + i * kBlockK);
+            }
+            std::fill(p_bf16 + n_q * kBlockK, p_bf16 + n_q32 * kBlockK, c10::BFloat16(0.0f));
+            std::fill(ds_bf16 + n_q * kBlockK, ds_bf16 + n_q32 * kBlockK, c10::BFloat16(0.0f));
+            put_row_pairs_panels(p_bf16, kBlockK, n_q32, cols, p_pairs);
+            put_row_pairs_panels(ds_bf16, kBlockK, n_q32, cols, ds_pairs);
+            tile_gemm_amx(sh.Dv_amx, cols, n_q32, dot_bf16 + q0, qt_cols, p_pairs, dvt_acc + (k0 - key0), keys_ld,
+                          true, Band{});
+            tile_gemm_amx(sh.D_amx, cols, n_q32, qt_bf16 + q0, qt_cols, ds_pairs, dkt_acc + (k0 - key0), keys_ld,
+                          true, Band{});
+            tile_gemm_amx(n_q, sh.D_amx, cols, ds_bf16, kBlockK, pk.kpw_block(0, kb - kb0), dq + q0 * sh.D_pad,
+                          sh.D_pad, true, inner_band);
+            continue;
+          }
           tile_gemm<A, 1, s_ld>(n_keys, sh.Dv, n_q, pd_tile, 1, s_ld, do_p + q0 * NR, NR, q_rows * NR,
                        dv_blk, sh.Dv_pad, true, keys_band);
           tile_gemm<A, 1, s_ld>(n_keys, sh.D, n_q, ds_tile, 1, s_ld, q_p + q0 * NR, NR, q_rows * NR,
                        dk_blk, sh.D_pad, true, keys_band);
-          tile_gemm<A, s_ld, 1>(n_q, sh.D, n_keys, ds_tile, s_ld, 1, pk.kp_block(0, kb - kb0), NR,
-                       sh.Bk_pad * NR, dq + q0 * sh.D_pad, sh.D_pad, true, inner_band);
+          tile_gemm<A, s_ld, 1>(n_q, sh.D, n_keys, ds_tile, s_ld, 1, pk.kp_block(0, kb - kb0), NR, sh.Bk_pad * NR,
+                                dq + q0 * sh.D_pad, sh.D_pad, true, inner_band);
         }
       }
       if (task_owns_dq)
@@ -244,6 +304,23 @@ void attention_bwd_typed(const AttnArgs& a) {
     }
     // dK = scale * dS^T Q, dV as accumulated: write this task's keys.
     const V scale_v(static_cast<A>(a.scale));
+    if (amx) {
+      // From the transposed accumulators, 8 keys at a time through 8 x 8 transposes into dk_acc /
+      // dv_acc rows (8 of them), then the rows below.
+      for (int64_t j0 = 0; j0 < n_chunk_keys; j0 += 8) {
+        for (int64_t d = 0; d < sh.D_amx; d += 8) transpose_8x8<A>(dkt_acc + d * keys_ld + j0, keys_ld, dk_acc + d, sh.D_pad);
+        for (int64_t d = 0; d < sh.Dv_amx; d += 8) transpose_8x8<A>(dvt_acc + d * keys_ld + j0, keys_ld, dv_acc + d, sh.Dv_pad);
+        for (int64_t j = j0; j < std::min(n_chunk_keys, j0 + 8); ++j) {
+          T* dk_row = const_cast<T*>(row_ptr<T>(a.dk, b, hkv, key0 + j));
+          T* dv_row = const_cast<T*>(row_ptr<T>(a.dv, b, hkv, key0 + j));
+          for (int64_t d = 0; d < sh.D; d += kV)
+            store_acc(dk_row + d, V::loadu(dk_acc + (j - j0) * sh.D_pad + d) * scale_v, std::min(kV, sh.D - d));
+          for (int64_t d = 0; d < sh.Dv; d += kV)
+            store_acc(dv_row + d, V::loadu(dv_acc + (j - j0) * sh.Dv_pad + d), std::min(kV, sh.Dv - d));
+        }
+      }
+      return;
+    }
     for (int64_t j = 0; j < n_chunk_keys; ++j) {
       T* dk_row = const_cast<T*>(row_ptr<T>(a.dk, b, hkv, key0 + j));
       T* dv_row = const_cast<T*>(row_ptr<T>(a.dv, b, hkv, key0 + j));

@@ -126,10 +126,12 @@ inline void load_row(const T* src, int64_t n, int64_t n_pad, A* dst) {
 //   vt: V^T blocks     [blocks][Bk_pad/NR][Dv][NR]    B of dP = dO V^T        (backward)
 //   vp: V by columns   [blocks][Dv_pad/NR][Bk_pad][NR] B of O += P V          (forward)
 //   kp: K by columns   [blocks][D_pad/NR][Bk_pad][NR]  B of dQ += dS K        (backward)
-// With bf16 inputs on AMX (amx = true) the score GEMMs' B operands are bf16 pair words instead
-// of kt / vt (amx_bf16.h; the inputs' own bf16 values, no rounding):
-//   kw: K^T blocks     [blocks][Bk_pad/16][D_amx/2][16]   B of S = Q K^T
-//   vw: V^T blocks     [blocks][Bk_pad/16][Dv_amx/2][16]  B of dP = dO V^T    (backward)
+// With bf16 inputs on AMX (amx = true) B operands are bf16 pair words instead (amx_bf16.h;
+// the inputs' own bf16 values, no rounding):
+//   kw: K^T blocks     [blocks][Bk_pad/16][D_amx/2][16]   B of S = Q K^T        (for kt)
+//   vw: V^T blocks     [blocks][Bk_pad/16][Dv_amx/2][16]  B of dP = dO V^T      (for vt)
+//   vpw: V blocks      [blocks][Dv_amx/16][Bk_pad/2][16]  B of O += P V         (for vp)
+//   kpw: K blocks      [blocks][D_amx/16][Bk_pad/2][16]   B of dQ += dS K       (for kp)
 // The forward packs every (batch, kv head) up front, in parallel (its tasks are query blocks
 // of a head and share the head's packed blocks); each backward task packs the key blocks it
 // owns into its thread's buffers (heads = 1), so they are written to and read back from cache,
@@ -137,9 +139,9 @@ inline void load_row(const T* src, int64_t n, int64_t n_pad, A* dst) {
 template <typename A>
 struct Packed {
   A *kt = nullptr, *vt = nullptr, *vp = nullptr, *kp = nullptr;
-  uint32_t *kw = nullptr, *vw = nullptr;
+  uint32_t *kw = nullptr, *vw = nullptr, *vpw = nullptr, *kpw = nullptr;
   int64_t kt_block_size = 0, vt_block_size = 0, vp_block_size = 0, kp_block_size = 0;
-  int64_t kw_block_size = 0, vw_block_size = 0;
+  int64_t kw_block_size = 0, vw_block_size = 0, vpw_block_size = 0, kpw_block_size = 0;
   int64_t blocks = 0;  // key blocks per head
 
   Packed(const Shape<A>& sh, int64_t heads, int64_t blocks_per_head, bool backward, bool amx)
@@ -151,16 +153,19 @@ struct Packed {
       kt_block_size = sh.Bk_pad * sh.D;
       kt = thread_scratch<A, 40>(heads * blocks * kt_block_size);
     }
-    if (backward) {
+    if (backward && amx) {
+      vw_block_size = sh.Bk_pad * sh.Dv_amx / 2;
+      vw = thread_scratch<uint32_t, 47>(heads * blocks * vw_block_size);
+      kpw_block_size = sh.Bk_pad * sh.D_amx / 2;
+      kpw = thread_scratch<uint32_t, 50>(heads * blocks * kpw_block_size);
+    } else if (backward) {
       kp_block_size = sh.Bk_pad * sh.D_pad;
       kp = thread_scratch<A, 42>(heads * blocks * kp_block_size);
-      if (amx) {
-        vw_block_size = sh.Bk_pad * sh.Dv_amx / 2;
-        vw = thread_scratch<uint32_t, 47>(heads * blocks * vw_block_size);
-      } else {
-        vt_block_size = sh.Bk_pad * sh.Dv;
-        vt = thread_scratch<A, 41>(heads * blocks * vt_block_size);
-      }
+      vt_block_size = sh.Bk_pad * sh.Dv;
+      vt = thread_scratch<A, 41>(heads * blocks * vt_block_size);
+    } else if (amx) {
+      vpw_block_size = sh.Bk_pad * sh.Dv_amx / 2;
+      vpw = thread_scratch<uint32_t, 49>(heads * blocks * vpw_block_size);
     } else {
       vp_block_size = sh.Bk_pad * sh.Dv_pad;
       vp = thread_scratch<A, 43>(heads * blocks * vp_block_size);
@@ -180,19 +185,36 @@ struct Packed {
   const uint32_t* vw_block(int64_t bh, int64_t blk) const { return block(vw, vw_block_size, bh, blk); }
   uint32_t* kw_block(int64_t bh, int64_t blk) { return block(kw, kw_block_size, bh, blk); }
   uint32_t* vw_block(int64_t bh, int64_t blk) { return block(vw, vw_block_size, bh, blk); }
+  const uint32_t* vpw_block(int64_t bh, int64_t blk) const { return block(vpw, vpw_block_size, bh, blk); }
+  uint32_t* vpw_block(int64_t bh, int64_t blk) { return block(vpw, vpw_block_size, bh, blk); }
+  const uint32_t* kpw_block(int64_t bh, int64_t blk) const { return block(kpw, kpw_block_size, bh, blk); }
+  uint32_t* kpw_block(int64_t bh, int64_t blk) { return block(kpw, kpw_block_size, bh, blk); }
 
  private:
   template <typename E>
   E* block(E* base, int64_t block_size, int64_t bh, int64_t blk) const { return base + (bh * blocks + blk) * block_size; }
 };
 
-// S (or dP) = A B^T of bf16 operands on AMX (amx_bf16.h) into an fp32 score tile; only ever
-// called with amx on, which implies T = bf16 and A = float.
+// C (+)= A B of bf16 operands on AMX (amx_bf16.h) into fp32 C; only ever called with amx on,
+// which implies T = bf16 and A = float.
 template <typename A>
-inline void score_gemm_amx(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t lda, const uint32_t* b,
-                           A* c, int64_t ldc, Band band) {
-  if constexpr (std::is_same_v<A, float>) amx_tile_gemm(M, N, K, a, lda, b, c, ldc, band);
-  else TORCH_INTERNAL_ASSERT(false, "AMX score GEMM with a non-fp32 tile");
+inline void tile_gemm_amx(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t lda, const uint32_t* b,
+                          A* c, int64_t ldc, bool accumulate, Band band) {
+  if constexpr (std::is_same_v<A, float>) amx_tile_gemm(M, N, K, a, lda, b, c, ldc, accumulate, band);
+  else TORCH_INTERNAL_ASSERT(false, "AMX GEMM with a non-fp32 tile");
+}
+
+// n fp32 values (a multiple of the vector width) rounded to bf16 (nearest even).
+template <typename A>
+inline void round_row_to_bf16(const A* src, int64_t n, c10::BFloat16* dst) {
+#ifdef FF_NATIVE_16BIT_CONVERT
+  if constexpr (std::is_same_v<A, float>) {
+    for (int64_t j = 0; j < n; j += Vectorized<float>::size())
+      storeu_packed(dst + j, pack16<c10::BFloat16>(Vectorized<float>::loadu(src + j)));
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) dst[j] = c10::BFloat16(static_cast<float>(src[j]));
 }
 
 // Writes row `key` (n values, zero padded to n_pad) as element (key, c) of a panel-major
@@ -298,18 +320,27 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t
     }
   }
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // AMX pair words from the bf16 rows themselves (zero rows past the block's keys).
-    auto put_pairs = [&](const View4& view, int64_t n, int64_t n_amx, uint32_t* dst) {
+    // AMX pair words from the bf16 rows themselves (zero rows past the block's keys), staged
+    // n_amx wide.
+    auto stage = [&](const View4& view, int64_t n, int64_t n_amx) {
       c10::BFloat16* const rows = thread_scratch<c10::BFloat16, 48>(cols * n_amx);
       for (int64_t j = 0; j < cols; ++j) {
         c10::BFloat16* row = rows + j * n_amx;
         if (j < n_keys) put_bf16_row(row_ptr<T>(view, b, h, k0 + j), n, n_amx, row);
         else std::fill(row, row + n_amx, c10::BFloat16(0.0f));
       }
-      put_rows_pair_panels(rows, n_amx, cols, n_amx, dst);
+      return rows;
     };
-    if (pk.kw) put_pairs(a.k, sh.D, sh.D_amx, pk.kw_block(dst_head, blk));
-    if (pk.vw) put_pairs(a.v, sh.Dv, sh.Dv_amx, pk.vw_block(dst_head, blk));
+    if (pk.kw || pk.kpw) {
+      const c10::BFloat16* k_bf16 = stage(a.k, sh.D, sh.D_amx);
+      if (pk.kw) put_rows_pair_panels(k_bf16, sh.D_amx, cols, sh.D_amx, pk.kw_block(dst_head, blk));
+      if (pk.kpw) put_row_pairs_panels(k_bf16, sh.D_amx, cols, sh.D_amx, pk.kpw_block(dst_head, blk));
+    }
+    if (pk.vw || pk.vpw) {
+      const c10::BFloat16* v_bf16 = stage(a.v, sh.Dv, sh.Dv_amx);
+      if (pk.vw) put_rows_pair_panels(v_bf16, sh.Dv_amx, cols, sh.Dv_amx, pk.vw_block(dst_head, blk));
+      if (pk.vpw) put_row_pairs_panels(v_bf16, sh.Dv_amx, cols, sh.Dv_amx, pk.vpw_block(dst_head, blk));
+    }
   }
   if (pk.kt) put_rows_transposed_panels(k_rows, sh.D_pad, cols, sh.D, pk.kt_block(dst_head, blk));
   if (pk.vt) put_rows_transposed_panels(v_rows, sh.Dv_pad, cols, sh.Dv, pk.vt_block(dst_head, blk));

@@ -23,6 +23,9 @@
 // Memory per task: reads its Q block once and every visible packed K/V block (L2-resident for
 // a head at moderate Lk); writes its out block and lse once. The Lq x Lk matrix never exists:
 // the S tile (144 x 192 fp32 = 108 KB) is the only score storage.
+// bf16 with AMX (amx_bf16.h): S = Q K^T from the inputs' bf16 rows (exact products, K packed as
+// pair words) and acc += P V with P rounded to bf16 (its fp32 copy gives the row sums), both on
+// the tiles; the softmax and acc stay fp32.
 #include <optional>
 #include <vector>
 
@@ -39,14 +42,18 @@ void attention_fwd_typed(const AttnArgs& a) {
   using V = Vectorized<A>;
   constexpr int64_t NR = MicroShape<A>::kNR;
   const Shape<A> sh(a);
-  // bf16 on AMX: S = Q K^T from the bf16 inputs on the tiles (amx_bf16.h), P V as below.
+  // bf16 on AMX: S = Q K^T from the bf16 inputs and acc += P V with P rounded to bf16 (as torch's
+  // CPU flash attention and FlashAttention do; the row sums stay those of the fp32 P) on the
+  // tiles (amx_bf16.h).
   const bool amx = std::is_same_v<T, c10::BFloat16> && use_amx_bf16();
+  TORCH_INTERNAL_ASSERT(!amx || sh.Dv_amx == sh.Dv_pad, "AMX P V tiles write acc rows Dv_pad wide");
   // Heads whose packed K/V fit in L2 with room to spare, when there are enough of them to keep
   // every thread busy: a task is a whole head and packs its own K/V into its thread's buffers
   // (written and read back from cache). Otherwise tasks are query blocks, sharing K/V packed
   // up front for every head (written to memory and read back by each task of the head).
   const int64_t k_packed_bytes = amx ? sh.D_amx * 2 : sh.D * static_cast<int64_t>(sizeof(A));  // per key
-  const int64_t head_packed_bytes = sh.n_kb * sh.Bk_pad * (k_packed_bytes + sh.Dv_pad * static_cast<int64_t>(sizeof(A)));
+  const int64_t v_packed_bytes = amx ? sh.Dv_amx * 2 : sh.Dv_pad * static_cast<int64_t>(sizeof(A));
+  const int64_t head_packed_bytes = sh.n_kb * sh.Bk_pad * (k_packed_bytes + v_packed_bytes);
   const bool pack_in_task = head_packed_bytes <= kPackInTaskBytes &&
                             sh.B * sh.H >= kHeadTasksPerThread * at::get_num_threads();
   std::optional<Packed<A>> shared;
@@ -70,6 +77,9 @@ void attention_fwd_typed(const AttnArgs& a) {
     A* const q_packed = amx ? nullptr : thread_scratch<A, 18>(kQBlockRows<A> * sh.D);  // MR-row panels
     // AMX: the block's bf16 rows, zero rows up to a multiple of 16.
     c10::BFloat16* const q_bf16 = amx ? thread_scratch<c10::BFloat16, 19>((kBlockQ + 16) * sh.D_amx) : nullptr;
+    // AMX: P rounded to bf16, rows of kBlockK, zero rows up to a multiple of 16.
+    c10::BFloat16* const p_bf16 = amx ? thread_scratch<c10::BFloat16, 20>(kBlockQ * kBlockK) : nullptr;
+    static_assert(kBlockQ % 16 == 0, "AMX tiles of P and acc stay within the block's rows");
     A* const s_tile = thread_scratch<A, 13>((kBlockQ + kRowSlack) * s_ld);
     A* const acc = thread_scratch<A, 14>(kBlockQ * sh.Dv_pad);
     A* const bias = thread_scratch<A, 15>(sh.Bk_pad);
@@ -83,6 +93,7 @@ void attention_fwd_typed(const AttnArgs& a) {
           if (i < n_q) put_bf16_row(row_ptr<T>(a.q, b, h, q0 + i), sh.D, sh.D_amx, row);
           else std::fill(row, row + sh.D_amx, c10::BFloat16(0.0f));
         }
+        std::fill(p_bf16 + n_q * kBlockK, p_bf16 + round_up_to(n_q, 16) * kBlockK, c10::BFloat16(0.0f));
       }
     }
     for (int64_t p0 = 0; p0 < n_q && !amx; p0 += MR) {
@@ -106,8 +117,8 @@ void attention_fwd_typed(const AttnArgs& a) {
       const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
       // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in both GEMMs.
       if (amx) {
-        score_gemm_amx(n_q, cols, sh.D_amx, q_bf16, sh.D_amx, pk.kw_block(bh_kv, kb), s_tile, s_ld,
-                       sh.band(a, q0, kb, Band::kColsUpTo));
+        tile_gemm_amx(n_q, cols, sh.D_amx, q_bf16, sh.D_amx, pk.kw_block(bh_kv, kb), s_tile, s_ld, false,
+                      sh.band(a, q0, kb, Band::kColsUpTo));
       } else {
         tile_gemm<A, 1, MR>(n_q, cols, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb), NR, sh.D * NR, s_tile,
                             s_ld, false, sh.band(a, q0, kb, Band::kColsUpTo), sh.D * MR);
@@ -133,9 +144,15 @@ void attention_fwd_typed(const AttnArgs& a) {
           const V alpha_v(alpha);
           for (int64_t d = 0; d < sh.Dv_pad; d += V::size()) (V::loadu(acc_i + d) * alpha_v).store(acc_i + d);
         }
+        if (amx) round_row_to_bf16(s, cols, p_bf16 + i * kBlockK);
       }
-      tile_gemm<A, s_ld, 1>(n_q, sh.Dv, n_keys, s_tile, s_ld, 1, pk.vp_block(bh_kv, kb), NR,
-                   sh.Bk_pad * NR, acc, sh.Dv_pad, kb > 0, sh.band(a, q0, kb, Band::kInnerUpTo));
+      if (amx) {
+        tile_gemm_amx(n_q, sh.Dv_amx, cols, p_bf16, kBlockK, pk.vpw_block(bh_kv, kb), acc, sh.Dv_pad, kb > 0,
+                      sh.band(a, q0, kb, Band::kInnerUpTo));
+      } else {
+        tile_gemm<A, s_ld, 1>(n_q, sh.Dv, n_keys, s_tile, s_ld, 1, pk.vp_block(bh_kv, kb), NR, sh.Bk_pad * NR, acc,
+                              sh.Dv_pad, kb > 0, sh.band(a, q0, kb, Band::kInnerUpTo));
+      }
     }
 
     for (int64_t i = 0; i < n_q; ++i) {
