@@ -435,11 +435,29 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
   // Additive bias row: float mask, and -inf for excluded keys. Built only when needed.
   bool has_bias = n_keys < cols;
   int64_t allowed_end = n_keys;  // keys j >= allowed_end are excluded (tail or causal)
-  if (diagonal) {
-    allowed_end = sh.causal_end(qi, k0, n_keys);
-    // The causal tile GEMMs (Band::kColsUpTo) may have left entries past allowed_end unwritten.
-    std::fill(s + allowed_end, s + cols, A(0));
+  if (diagonal) allowed_end = sh.causal_end(qi, k0, n_keys);
+  V row_max(kNegInf<A>);
+  if (!a.key_padding_mask && !a.attn_mask.ptr) {
+    // Only the causal cut and padding columns: scaled scores up to allowed_end, -inf after
+    // (entries the causal tile GEMMs left unwritten included), without a bias row.
+    const V mul_v(mul), neg_inf(kNegInf<A>);
+    int64_t j = 0;
+    for (; j + kV <= allowed_end; j += kV) {
+      const V x = V::loadu(s + j) * mul_v;
+      x.store(s + j);
+      row_max = at::vec::maximum(row_max, x);
+    }
+    if (j < allowed_end) {
+      const V x = V::set(neg_inf, V::loadu(s + j) * mul_v, allowed_end - j);
+      x.store(s + j);
+      row_max = at::vec::maximum(row_max, x);
+      j += kV;
+    }
+    std::fill(s + std::min(j, cols), s + cols, kNegInf<A>);
+    return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, row_max);
   }
+  // The causal tile GEMMs (Band::kColsUpTo) may have left entries past allowed_end unwritten.
+  if (diagonal) std::fill(s + allowed_end, s + cols, A(0));
   has_bias |= allowed_end < n_keys || a.key_padding_mask || a.attn_mask.ptr;
   if (has_bias) {
     std::fill(bias, bias + allowed_end, A(0));
@@ -468,7 +486,6 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
       }
     }
   }
-  V row_max(kNegInf<A>);
   if (has_bias || mul != A(1)) {
     const V mul_v(mul);
     for (int64_t j = 0; j < cols; j += kV) {
