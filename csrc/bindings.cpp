@@ -676,6 +676,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_info", &cpu_info, "CPU capability levels built, selected and supported");
   m.def("set_cpu_capability", &set_cpu_capability, "Select default|avx2|avx512 kernels (tests)");
   m.def("set_cpu_amx", &set_cpu_amx, "Use AMX-BF16 at the avx512 level where supported (tests)");
+  m.def("use_amx_bf16", [] { return cpu_state().level == kAvx512 && amx_state().enabled; },
+        "Whether bf16 runs on AMX tiles now (the avx512 kernels selected, AMX-BF16 usable and on)");
   m.def("add_norm_fwd", &add_norm_fwd);
   m.def("add_norm_bwd", &add_norm_bwd);
   m.def("add_norm_autograd", &add_norm_autograd, "add + norm with a C++ autograd node: [y, res_out]");

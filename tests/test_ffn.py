@@ -103,6 +103,42 @@ def test_cpu_matches_eager(tokens, d, hidden, dtype, act, gated, bias):
     _backend_matches_eager("cpu", tokens, d, hidden, dtype, act, gated, bias)
 
 
+# bf16 on a CPU with AMX (avx512 kernels, AMX on) takes torch's AMX GEMMs (ops/ffn.py,
+# _CpuAmxImpl) unless there is dropout; with AMX off, csrc/cpu/ffn.cpp. Both, on every machine
+# that has AMX (the cases above take whichever is on).
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "kernel"])
+@pytest.mark.parametrize(CASE_ARGS, _cases(LOWP_SHAPES[1:4], [torch.bfloat16], per_shape=3))
+def test_cpu_bf16_amx_route_and_kernel(amx, tokens, d, hidden, dtype, act, gated, bias):
+    info = ff._ext.cpu_info()
+    if amx and not ff._ext.C.use_amx_bf16():
+        pytest.skip(f"AMX-BF16 not in use here: {info.get('amx_note') or info.get('capability')}")
+    ff._ext.C.set_cpu_amx(amx)
+    try:
+        _backend_matches_eager("cpu", tokens, d, hidden, dtype, act, gated, bias)
+    finally:
+        ff._ext.C.set_cpu_amx(bool(info.get("amx_bf16")))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cpu_amx_route_formulas_in_fp64(gated, bias):
+    """_CpuAmxImpl's GEMM wiring, saved [gate | up] layout and gradient formulas against the
+    reference in fp64 (its torch ops take any dtype), on any machine."""
+    from fastformer.ops import ffn as ops
+    from fastformer.reference import ffn as ref
+    *tensors, _ = _params(37, 24, 50, torch.float64, gated, bias)
+    x, w1, b1, w2, b2, wu, bu = tensors
+    for act in range(4):
+        y, s = ops._CpuAmxImpl.fwd(x, w1, b1, w2, b2, wu, bu, act, 0.0, None, True)
+        yr, sr = ref.ffn_fwd(x, w1, b1, w2, b2, wu, bu, act, 0.0, None, True)
+        assert torch.allclose(y, yr) and torch.allclose(s, sr), (act, "forward")
+        dy = torch.randn(37, 24, dtype=torch.float64)
+        g = ops._CpuAmxImpl.bwd(dy, x, w1, w2, wu, s, act, 0.0, None, (True,) * 7)
+        gr = ref.ffn_bwd(dy, x, w1, w2, wu, sr, act, 0.0, None, (True,) * 7)
+        for i, (a, b) in enumerate(zip(g, gr)):
+            assert a.shape == b.shape and (a.numel() == 0 or torch.allclose(a, b)), (act, i)
+
+
 # The cpu GEMM's blocking (csrc/cpu/gemm_packed.h) at a shape that crosses every level: K over
 # several 256-deep blocks, N over a 2048-column B block (gated: 4096 interleaved columns), and M
 # over more rows than one K-partial-sum workspace holds (16 MB / (4 B x columns per thread):

@@ -65,28 +65,14 @@ def _seed_offset(rng_state: Optional[Tensor]):
 
 
 # ---- backend implementations ----------------------------------------------------------------
-class _CompiledImpl:
-    """cpu: fastformer._C (csrc/cpu/ffn.cpp)."""
-
-    @staticmethod
-    def fwd(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state, save_preactivation):
-        seed, offset = _seed_offset(rng_state)
-        y, saved = _ext.C.ffn_fwd(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, seed, offset,
-                                  save_preactivation)
-        return y, saved
-
-    @staticmethod
-    def bwd(dy, x, w1, w2, w_up, saved, act, dropout_p, rng_state, needs):
-        seed, offset = _seed_offset(rng_state)
-        return tuple(_ext.C.ffn_bwd(dy, x, w1, w2, w_up, saved, act, dropout_p, seed, offset,
-                                    *needs))
-
-
-class _CudaImpl:
-    """cuda: GEMMs through cuBLAS (torch.addmm, the bias in its epilogue) and the activation /
-    gate as one fused elementwise kernel on the GEMM output (csrc/cuda/ffn_epilogue.cu), forward
-    and backward. Dropout is not taken here (select() sends it to triton). Gated: the gate and
+class _VendorGemmImpl:
+    """GEMMs through the vendor library (torch.addmm / mm: cuBLAS on CUDA, oneDNN on CPU, the
+    bias in its epilogue) and the activation / gate as one elementwise step on the GEMM output,
+    forward and backward, with the hooks below. Dropout is not taken here. Gated: the gate and
     up GEMMs write the two halves of one (N, 2F) buffer, the layout every backend saves."""
+
+    # elementwise hooks: h = act(pre); d_pre = dh * act'(pre); h = act(g) * u; (dg, du)
+    act_fwd = act_bwd = gated_fwd = gated_bwd = None
 
     @staticmethod
     def _linear(a, w, b, out=None):
@@ -94,38 +80,38 @@ class _CudaImpl:
             return torch.addmm(b, a, w.t(), out=out)
         return torch.mm(a, w.t(), out=out)
 
-    @staticmethod
-    def fwd(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state, save_preactivation):
+    @classmethod
+    def fwd(cls, x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state, save_preactivation):
         x2 = x.reshape(-1, x.shape[-1])
-        lin = _CudaImpl._linear
+        lin = cls._linear
         if w_up is None:
             pre = lin(x2, w1, b1)
-            h = _ext.C.ffn_bias_act_fwd(pre, None, act)
+            h = cls.act_fwd(pre, act)
         else:
             F_ = w1.shape[0]
             pre = x2.new_empty((x2.shape[0], 2 * F_))  # [gate | up]
             gate, up = pre[:, :F_], pre[:, F_:]
-            lin(x2, w1, b1, out=gate)  # strided outputs: cuBLAS writes them with ldc = 2F
+            lin(x2, w1, b1, out=gate)  # strided outputs: the GEMM writes them with ldc = 2F
             lin(x2, w_up, b_up, out=up)
-            h = _ext.C.ffn_gated_act_fwd(gate, up, act)
+            h = cls.gated_fwd(gate, up, act)
         y = lin(h, w2, b2).reshape(x.shape)
         return y, (pre if save_preactivation else x.new_empty((0,)))
 
-    @staticmethod
-    def bwd(dy, x, w1, w2, w_up, saved, act, dropout_p, rng_state, needs):
+    @classmethod
+    def bwd(cls, dy, x, w1, w2, w_up, saved, act, dropout_p, rng_state, needs):
         x2 = x.reshape(-1, x.shape[-1])
         dy2 = dy.reshape(-1, dy.shape[-1])
         F_ = w1.shape[0]
         empty = x.new_empty((0,))
         dh = dy2 @ w2
         if w_up is None:
-            h = _ext.C.ffn_bias_act_fwd(saved, None, act)
-            d_pre = _ext.C.ffn_bias_act_bwd(dh, saved, None, act, False)[0]
+            h = cls.act_fwd(saved, act)
+            d_pre = cls.act_bwd(dh, saved, act)
             d_up = None
         else:
             gate, up = saved[:, :F_], saved[:, F_:]
-            h = _ext.C.ffn_gated_act_fwd(gate, up, act)
-            d_pre, d_up = _ext.C.ffn_gated_act_bwd(dh, gate, up, act)
+            h = cls.gated_fwd(gate, up, act)
+            d_pre, d_up = cls.gated_bwd(dh, gate, up, act)
         dx = empty
         if needs[0]:
             dx = d_pre @ w1
@@ -140,6 +126,66 @@ class _CudaImpl:
                  d_up.t() @ x2 if d_up is not None and needs[5] else empty,
                  d_up.sum(0) if d_up is not None and needs[6] else empty]
         return tuple(grads)
+
+
+class _CudaImpl(_VendorGemmImpl):
+    """cuda: cuBLAS GEMMs, the activation / gate fused in one kernel (csrc/cuda/ffn_epilogue.cu).
+    Dropout goes to triton (select())."""
+
+    act_fwd = staticmethod(lambda pre, act: _ext.C.ffn_bias_act_fwd(pre, None, act))
+    act_bwd = staticmethod(lambda dh, pre, act: _ext.C.ffn_bias_act_bwd(dh, pre, None, act, False)[0])
+    gated_fwd = staticmethod(lambda g, u, act: _ext.C.ffn_gated_act_fwd(g, u, act))
+    gated_bwd = staticmethod(lambda dh, g, u, act: tuple(_ext.C.ffn_gated_act_bwd(dh, g, u, act)))
+
+
+def _act_bwd_torch(dh: Tensor, pre: Tensor, act: int) -> Tensor:
+    """dh * act'(pre) with torch's fused backward ops (fp32 inside, one rounding)."""
+    if act == 0:
+        return torch.ops.aten.threshold_backward(dh, pre, 0)
+    if act in (1, 2):
+        return torch.ops.aten.gelu_backward(dh, pre, approximate="none" if act == 1 else "tanh")
+    return torch.ops.aten.silu_backward(dh, pre)
+
+
+class _CpuAmxImpl(_VendorGemmImpl):
+    """cpu, bf16 on CPUs with AMX-BF16 (the avx512 kernels with AMX on, `ff.info()`), without
+    dropout: torch's bf16 GEMMs run on AMX tiles (oneDNN, ~1-1.5 TFLOP/s on this 2-core Xeon),
+    4-7x the fp32 FMAs of csrc/cpu/ffn.cpp's packed GEMM, so the GEMMs go there and the
+    activation / gate are torch's elementwise ops. Saves what the fused kernel saves (the
+    pre-activation, never act(pre)); h is rounded to bf16 before the second GEMM, as eager
+    PyTorch's is."""
+
+    act_fwd = staticmethod(lambda pre, act: ref.activation(pre, act))
+    act_bwd = staticmethod(_act_bwd_torch)
+    gated_fwd = staticmethod(lambda g, u, act: ref.activation(g, act) * u)
+    gated_bwd = staticmethod(lambda dh, g, u, act: (_act_bwd_torch(dh * u, g, act),
+                                                    dh * ref.activation(g, act)))
+
+    @staticmethod
+    def takes(x: Tensor, dropout_p: float) -> bool:
+        return x.dtype == torch.bfloat16 and dropout_p == 0 and bool(_ext.C.use_amx_bf16())
+
+
+class _CompiledImpl:
+    """cpu: fastformer._C (csrc/cpu/ffn.cpp); bf16 on AMX without dropout: _CpuAmxImpl."""
+
+    @staticmethod
+    def fwd(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state, save_preactivation):
+        if _CpuAmxImpl.takes(x, dropout_p):
+            return _CpuAmxImpl.fwd(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state,
+                                   save_preactivation)
+        seed, offset = _seed_offset(rng_state)
+        y, saved = _ext.C.ffn_fwd(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, seed, offset,
+                                  save_preactivation)
+        return y, saved
+
+    @staticmethod
+    def bwd(dy, x, w1, w2, w_up, saved, act, dropout_p, rng_state, needs):
+        if _CpuAmxImpl.takes(x, dropout_p):
+            return _CpuAmxImpl.bwd(dy, x, w1, w2, w_up, saved, act, dropout_p, rng_state, needs)
+        seed, offset = _seed_offset(rng_state)
+        return tuple(_ext.C.ffn_bwd(dy, x, w1, w2, w_up, saved, act, dropout_p, seed, offset,
+                                    *needs))
 
 
 _TritonImpl = LazyLaunchers(".ffn_triton", "ffn_fwd", "ffn_bwd")
