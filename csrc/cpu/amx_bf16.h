@@ -38,7 +38,7 @@
 
 namespace fastformer::cpu::CPU_CAPABILITY {
 
-// Whether bf16 attention score GEMMs run on AMX in this call (decided once per kernel call).
+// Whether bf16 attention GEMMs run on AMX tiles in this call (asked once per kernel call).
 inline bool use_amx_bf16() {
 #ifdef FF_HAVE_AMX
   return amx_bf16_enabled();
@@ -49,7 +49,7 @@ inline bool use_amx_bf16() {
 
 constexpr int64_t kAmxK = 32;  // bf16 values of K per tile row (64 bytes)
 
-// Words per row of a K-value bf16 operand in pair-word form, after padding K to kAmxK.
+// K padded with zero columns to whole tile rows (a multiple of kAmxK).
 inline int64_t amx_padded_k(int64_t k) { return round_up_to(k, kAmxK); }
 
 // Copies a row of n bf16 values and zero-fills it to n_pad.
