@@ -180,6 +180,10 @@ void set_cpu_amx(bool enable) {
   s.note = enable ? "" : "turned off by set_cpu_amx(False)";
 }
 
+// The kernels selected now run bf16 on AMX: the avx512 level (the only one with AMX code) and
+// AMX usable and on.
+bool amx_in_use() { return cpu_state().level == kAvx512 && amx_state().enabled; }
+
 py::dict cpu_info() {
   py::dict d;
   d["capability"] = kLevelNames[cpu_state().level];
@@ -195,7 +199,8 @@ py::dict cpu_info() {
 #endif
   d["built"] = built;
   // Used by the avx512 level's bf16 attention score GEMMs (csrc/cpu/amx_bf16.h).
-  d["amx_bf16"] = amx_state().enabled;
+  d["amx_bf16"] = amx_state().enabled;  // the switch (set_cpu_amx); in use: amx_in_use()
+  d["amx_in_use"] = amx_in_use();
   d["amx_note"] = amx_state().note;
 #ifdef FASTFORMER_WITH_CUDA
   d["cuda"] = true;
@@ -676,7 +681,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_info", &cpu_info, "CPU capability levels built, selected and supported");
   m.def("set_cpu_capability", &set_cpu_capability, "Select default|avx2|avx512 kernels (tests)");
   m.def("set_cpu_amx", &set_cpu_amx, "Use AMX-BF16 at the avx512 level where supported (tests)");
-  m.def("use_amx_bf16", [] { return cpu_state().level == kAvx512 && amx_state().enabled; },
+  m.def("use_amx_bf16", &amx_in_use,
         "Whether bf16 runs on AMX tiles now (the avx512 kernels selected, AMX-BF16 usable and on)");
   m.def("add_norm_fwd", &add_norm_fwd);
   m.def("add_norm_bwd", &add_norm_bwd);

@@ -31,6 +31,16 @@ class Info(dict):
         return "\n".join(lines)
 
 
+def _amx_status(cpu: dict) -> str:
+    if cpu.get("amx_in_use"):
+        return "used"
+    if cpu.get("amx_note"):
+        return f"off ({cpu['amx_note']})"
+    if cpu.get("amx_bf16"):
+        return f"off (only the avx512 kernels use it; these are {cpu.get('capability')})"
+    return "off (_C not loaded)"
+
+
 def info() -> Info:
     """Versions, which backends are usable and why not, the CPU kernel level in use."""
     from . import __version__
@@ -48,7 +58,7 @@ def info() -> Info:
             "best supported": cpu.get("max_capability"),
             "built levels": ", ".join(cpu.get("built") or []) or "-",
             "note": cpu.get("note") or "-",
-            "amx bf16": "used" if cpu.get("amx_bf16") else f"off ({cpu.get('amx_note') or 'not built'})",
+            "amx bf16": _amx_status(cpu),
             "torch capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(),
             "machine": platform.machine(),

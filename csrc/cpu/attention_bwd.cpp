@@ -150,7 +150,7 @@ void attention_bwd_typed(const AttnArgs& a) {
         A* const q_i = q_stage + (i % MR) * sh.D_pad;
         A* const do_i = do_stage + (i % MR) * sh.Dv_pad;
         if (i < sh.Lq) {
-          load_row(row_ptr<T>(a.q, b, h, i), sh.D, sh.D_pad, q_i);
+          if (!amx) load_row(row_ptr<T>(a.q, b, h, i), sh.D, sh.D_pad, q_i);  // AMX: bf16 below
           load_row(row_ptr<T>(a.dout, b, h, i), sh.Dv, sh.Dv_pad, do_i);
           // delta_i = sum_d dO_id O_id, O read in place (dO's padding columns are zero)
           const T* o_row = row_ptr<T>(a.out, b, h, i);
@@ -159,7 +159,7 @@ void attention_bwd_typed(const AttnArgs& a) {
           for (; d + kV <= sh.Dv; d += kV) sum = at::vec::fmadd(load_acc(o_row + d), V::loadu(do_i + d), sum);
           if (d < sh.Dv) sum = at::vec::fmadd(load_acc(o_row + d, sh.Dv - d), V::loadu(do_i + d), sum);
           delta_h[i] = reduce_add(sum);
-        } else {
+        } else if (!amx) {
           std::fill(q_i, q_i + sh.D_pad, A(0));
           std::fill(do_i, do_i + sh.Dv_pad, A(0));
         }

@@ -217,6 +217,17 @@ inline void round_row_to_bf16(const A* src, int64_t n, c10::BFloat16* dst) {
   for (int64_t j = 0; j < n; ++j) dst[j] = c10::BFloat16(static_cast<float>(src[j]));
 }
 
+// Rows [row0, row0 + n_valid) of head (b, h) of bf16 view v, n values each, copied as rows
+// n_amx wide (zero padded) into dst, then zero rows up to n_rows: the AMX operands' staging.
+inline void stage_bf16_rows(const View4& v, int64_t b, int64_t h, int64_t row0, int64_t n_valid, int64_t n_rows,
+                            int64_t n, int64_t n_amx, c10::BFloat16* dst) {
+  for (int64_t j = 0; j < n_rows; ++j) {
+    c10::BFloat16* row = dst + j * n_amx;
+    if (j < n_valid) put_bf16_row(row_ptr<c10::BFloat16>(v, b, h, row0 + j), n, n_amx, row);
+    else std::fill(row, row + n_amx, c10::BFloat16(0.0f));
+  }
+}
+
 // Writes row `key` (n values, zero padded to n_pad) as element (key, c) of a panel-major
 // [n_pad/NR][rows][NR] matrix.
 template <typename A>
@@ -320,15 +331,10 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t
     }
   }
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // AMX pair words from the bf16 rows themselves (zero rows past the block's keys), staged
-    // n_amx wide.
+    // AMX pair words from the bf16 rows themselves (zero rows past the block's keys).
     auto stage = [&](const View4& view, int64_t n, int64_t n_amx) {
       c10::BFloat16* const rows = thread_scratch<c10::BFloat16, 48>(cols * n_amx);
-      for (int64_t j = 0; j < cols; ++j) {
-        c10::BFloat16* row = rows + j * n_amx;
-        if (j < n_keys) put_bf16_row(row_ptr<T>(view, b, h, k0 + j), n, n_amx, row);
-        else std::fill(row, row + n_amx, c10::BFloat16(0.0f));
-      }
+      stage_bf16_rows(view, b, h, k0, n_keys, cols, n, n_amx, rows);
       return rows;
     };
     if (pk.kw || pk.kpw) {
@@ -432,8 +438,6 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
                    int64_t qi, int64_t k0, int64_t n_keys, int64_t cols, bool diagonal, A* bias) {
   using V = Vectorized<A>;
   constexpr int64_t kV = V::size();
-  // Additive bias row: float mask, and -inf for excluded keys. Built only when needed.
-  bool has_bias = n_keys < cols;
   int64_t allowed_end = n_keys;  // keys j >= allowed_end are excluded (tail or causal)
   if (diagonal) allowed_end = sh.causal_end(qi, k0, n_keys);
   V row_max(kNegInf<A>);
@@ -456,46 +460,39 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
     std::fill(s + std::min(j, cols), s + cols, kNegInf<A>);
     return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, row_max);
   }
-  // The causal tile GEMMs (Band::kColsUpTo) may have left entries past allowed_end unwritten.
+  // A mask: an additive bias row (log2(e) * float mask, -inf for excluded keys). The causal
+  // tile GEMMs (Band::kColsUpTo) may have left entries past allowed_end unwritten.
   if (diagonal) std::fill(s + allowed_end, s + cols, A(0));
-  has_bias |= allowed_end < n_keys || a.key_padding_mask || a.attn_mask.ptr;
-  if (has_bias) {
-    std::fill(bias, bias + allowed_end, A(0));
-    std::fill(bias + allowed_end, bias + cols, kNegInf<A>);
-    if (a.key_padding_mask) {
-      const bool* pad = a.key_padding_mask + b * a.kpm_s[0] + k0 * a.kpm_s[1];
+  std::fill(bias, bias + allowed_end, A(0));
+  std::fill(bias + allowed_end, bias + cols, kNegInf<A>);
+  if (a.key_padding_mask) {
+    const bool* pad = a.key_padding_mask + b * a.kpm_s[0] + k0 * a.kpm_s[1];
+    for (int64_t j = 0; j < allowed_end; ++j)
+      if (pad[j * a.kpm_s[1]]) bias[j] = kNegInf<A>;
+  }
+  if (a.attn_mask.ptr) {
+    const int64_t off = b * a.attn_mask.s[0] + h * a.attn_mask.s[1] + qi * a.attn_mask.s[2] +
+                        k0 * a.attn_mask.s[3];
+    const int64_t step = a.attn_mask.s[3];
+    if (a.mask_is_bool) {
+      const bool* m = static_cast<const bool*>(a.attn_mask.ptr) + off;
       for (int64_t j = 0; j < allowed_end; ++j)
-        if (pad[j * a.kpm_s[1]]) bias[j] = kNegInf<A>;
-    }
-    if (a.attn_mask.ptr) {
-      const int64_t off = b * a.attn_mask.s[0] + h * a.attn_mask.s[1] + qi * a.attn_mask.s[2] +
-                          k0 * a.attn_mask.s[3];
-      const int64_t step = a.attn_mask.s[3];
-      if (a.mask_is_bool) {
-        const bool* m = static_cast<const bool*>(a.attn_mask.ptr) + off;
+        if (!m[j * step]) bias[j] = kNegInf<A>;
+    } else {
+      const A log2e = static_cast<A>(kLog2e);
+      dispatch_dtype(a.mask_dtype, [&](auto tag) {
+        using M = decltype(tag);
+        const M* m = static_cast<const M*>(a.attn_mask.ptr) + off;
         for (int64_t j = 0; j < allowed_end; ++j)
-          if (!m[j * step]) bias[j] = kNegInf<A>;
-      } else {
-        const A log2e = static_cast<A>(kLog2e);
-        dispatch_dtype(a.mask_dtype, [&](auto tag) {
-          using M = decltype(tag);
-          const M* m = static_cast<const M*>(a.attn_mask.ptr) + off;
-          for (int64_t j = 0; j < allowed_end; ++j)
-            bias[j] += log2e * static_cast<A>(static_cast<acc_t<M>>(m[j * step]));
-        });
-      }
+          bias[j] += log2e * static_cast<A>(static_cast<acc_t<M>>(m[j * step]));
+      });
     }
   }
-  if (has_bias || mul != A(1)) {
-    const V mul_v(mul);
-    for (int64_t j = 0; j < cols; j += kV) {
-      V x = V::loadu(s + j) * mul_v;
-      if (has_bias) x = x + V::loadu(bias + j);
-      x.store(s + j);
-      row_max = at::vec::maximum(row_max, x);
-    }
-  } else {
-    for (int64_t j = 0; j < cols; j += kV) row_max = at::vec::maximum(row_max, V::loadu(s + j));
+  const V mul_v(mul);
+  for (int64_t j = 0; j < cols; j += kV) {
+    const V x = V::loadu(s + j) * mul_v + V::loadu(bias + j);
+    x.store(s + j);
+    row_max = at::vec::maximum(row_max, x);
   }
   return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, row_max);
 }

@@ -73,7 +73,7 @@ void attention_fwd_typed(const AttnArgs& a) {
   auto query_block = [&](const Packed<A>& pk, int64_t bh_kv, int64_t b, int64_t h, int64_t qb) {
     const int64_t q0 = qb * kBlockQ, n_q = std::min(kBlockQ, sh.Lq - q0);
     constexpr int64_t MR = MicroShape<A>::kMR;
-    A* const q_rows = thread_scratch<A, 12>(MR * sh.D_pad);  // one panel's rows, staged
+    A* const q_rows = amx ? nullptr : thread_scratch<A, 12>(MR * sh.D_pad);  // one panel's rows, staged
     A* const q_packed = amx ? nullptr : thread_scratch<A, 18>(kQBlockRows<A> * sh.D);  // MR-row panels
     // AMX: the block's bf16 rows, zero rows up to a multiple of 16.
     c10::BFloat16* const q_bf16 = amx ? thread_scratch<c10::BFloat16, 19>((kBlockQ + 16) * sh.D_amx) : nullptr;
@@ -88,11 +88,7 @@ void attention_fwd_typed(const AttnArgs& a) {
 
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (amx) {
-        for (int64_t i = 0; i < round_up_to(n_q, 16); ++i) {
-          c10::BFloat16* row = q_bf16 + i * sh.D_amx;
-          if (i < n_q) put_bf16_row(row_ptr<T>(a.q, b, h, q0 + i), sh.D, sh.D_amx, row);
-          else std::fill(row, row + sh.D_amx, c10::BFloat16(0.0f));
-        }
+        stage_bf16_rows(a.q, b, h, q0, n_q, round_up_to(n_q, 16), sh.D, sh.D_amx, q_bf16);
         std::fill(p_bf16 + n_q * kBlockK, p_bf16 + round_up_to(n_q, 16) * kBlockK, c10::BFloat16(0.0f));
       }
     }
