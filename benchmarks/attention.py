@@ -4,8 +4,8 @@ FLOPs: forward 4*B*H*L*L*D (half when causal), backward 2.5x the forward. Eager 
 softmax(q k^T / sqrt(d)) v with the score matrix materialized.
 
 Baselines that would take longer than BUDGET_S per call are skipped with their estimate: torch's
-bf16 matmul runs at ~1 GFLOP/s on CPUs without AVX512-BF16/AMX (this one), so eager bf16 at
-L = 4096 would take minutes per call. Estimates come from each candidate's throughput on a
+bf16 matmul runs at ~1 GFLOP/s on CPUs without AVX512-BF16/AMX (AVX2-only ones), so eager
+bf16 at L = 4096 would take minutes per call. Estimates come from each candidate's throughput on a
 calibration shape measured in the same run.
 """
 from __future__ import annotations

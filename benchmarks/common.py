@@ -1,9 +1,10 @@
 """Benchmark plumbing shared by the suites: timing, peak memory, tables, JSON and plots.
 
-Timing (DESIGN.md §6): every candidate of a case is warmed up, calibrated to ~20 ms per
-measurement, then measured in interleaved rounds (A B C, B C A, ...) so that drift of the
-machine hits every candidate alike; the reported time is the median over rounds. CPU uses
-torch.utils.benchmark.Timer with all threads; GPU uses triton.testing.do_bench.
+Timing (ARCHITECTURE.md, "Benchmark method"): every candidate of a case is warmed up,
+calibrated to ~TARGET_S (50 ms) per measurement, then measured in interleaved rounds (A B C,
+B C A, ...) so that drift of the machine hits every candidate alike; the reported time is the
+median over rounds. CPU uses torch.utils.benchmark.Timer with all threads; GPU uses
+triton.testing.do_bench.
 
 Peak memory on CPU: glibc is told to serve every allocation >= 64 KiB with mmap and to give it
 back on free, and free heap pages are returned (malloc_trim) before each measurement, so the
@@ -84,7 +85,7 @@ def time_candidates(fns: dict, device: str = "cpu", rounds: int = ROUNDS) -> dic
     if slow:
         # Calls over a second (attention fwd+bwd at (1, 16, 4096, 128)): five single calls each,
         # not three, so that a median is not one call's luck (with three, that cell's ratio to
-        # SDPA read 1.14x, 1.16x and 1.28x in three runs of the same kernels).
+        # SDPA spread over 1.14-1.28x across runs of the same kernels).
         rounds = min(rounds, 5)
     samples = {name: [] for name in fns}
     names = list(fns)

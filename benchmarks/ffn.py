@@ -10,7 +10,7 @@ those, and they are alive anyway). Ours is measured on the real call; eager's on
 (the same autograd graph without computing anything: eager bf16 would take minutes).
 
 Baselines that would take longer than BUDGET_S per call are skipped with their estimate: torch's
-bf16 matmul runs at ~1 GFLOP/s on CPUs without AVX512-BF16/AMX (this one). The max error is
+bf16 matmul runs at ~1 GFLOP/s on CPUs without AVX512-BF16/AMX. The max error is
 measured on the first ERR_TOKENS tokens against fp64 (fp32 on GPU) eager math: the forward
 treats tokens independently, and a full fp64 reference at (2048, 4096, 11008) costs a minute.
 """
@@ -29,9 +29,9 @@ from .common import Row, max_abs_err
 # (tokens, d_model, dim_feedforward, activation, gated)
 SHAPES = [(4096, 768, 3072, "relu", False), (4096, 768, 3072, "gelu", False),
           (8192, 1024, 4096, "gelu", False), (2048, 4096, 11008, "silu", True)]
-# 40 s: eager fp32 SwiGLU forward+backward at the gated shape (~20 s/call here, estimated 24 s
-# from the small calibration GEMM) is an acceptance baseline and must run; eager bf16 (minutes
-# at ~1 GFLOP/s) is still skipped.
+# 40 s: eager fp32 SwiGLU forward+backward at the gated shape (~20 s/call on a 2-core Zen 3,
+# estimated 24 s from the small calibration GEMM) is an acceptance baseline and must run; eager
+# bf16 (minutes at ~1 GFLOP/s) is still skipped.
 BUDGET_S = float(os.environ.get("FASTFORMER_BENCH_BUDGET_S", "40"))
 CALIBRATION = (256, 256, 1024)
 ERR_TOKENS = 256

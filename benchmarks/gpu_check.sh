@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One short GPU session: the GPU tests, then the attention sweep, all into one results file.
+# One short GPU run: the GPU tests, then the attention sweep, all into one results file.
 #
 #   bash benchmarks/gpu_check.sh [results file, default gpu_check_results.txt]
 #

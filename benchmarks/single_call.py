@@ -8,8 +8,8 @@ AVX512-BF16/AMX), far too long to repeat in interleaved rounds. This script meas
 once, side by side in one process: ours (one warm-up, then the median of three calls), the
 baseline once (no warm-up: it would double a call of minutes, and a first call's one-time costs
 are milliseconds), then ours three more times, and prints the times, the ratio and the max error
-of ours. The figures are single calls, not the suites' interleaved medians; the README says which
-is which.
+of ours. The figures are single calls, not the suites' interleaved medians; benchmarks/RESULTS.md
+says which is which.
 
     python -m fastformer.benchmarks.single_call --op ffn --match "swiglu" --dtype bf16 --mode fwd+bwd
 """

@@ -1,4 +1,4 @@
-"""The numerical policy of DESIGN.md §5, in one place.
+"""The numerical policy of ARCHITECTURE.md ("Numerical policy"), in one place.
 
 * fp32 / fp64 results are compared to an oracle computed in fp64 with fixed atol/rtol.
 * fp16 / bf16 results follow FlashAttention's rule: the error of ours against the fp32 oracle
@@ -15,8 +15,8 @@
 
 Parameter gradients are sums over R rows (dweight = sum_r dy_r * x_hat_r). Each term carries
 fp32 rounding (saved fp32 statistics, products), so their error grows like sqrt(R): at R = 4096
-eager PyTorch's own fp32 LayerNorm dweight is 3.3e-4 off, and every fp32 implementation we
-tried lands at 1-3e-5. DESIGN's fixed 2e-5 therefore holds up to R = 64 rows, and
+eager PyTorch's own fp32 LayerNorm dweight is 3.3e-4 off, and the fp32 implementations measured
+land at 1-3e-5. The policy's fixed 2e-5 therefore holds up to R = 64 rows, and
 :func:`row_sum_tol` scales it by sqrt(R / 64) beyond (still 2x tighter than eager at R = 4096).
 
 On failure the message names the tensor, the worst index, both values and both errors.
@@ -87,7 +87,7 @@ def check(name: str, ours: torch.Tensor, oracle: torch.Tensor, torch_lowp: torch
     """Dispatch on ours.dtype: the tolerance check for fp32/fp64, the ratio rule for fp16/bf16.
 
     For fp32, `torch_lowp` may be eager PyTorch's own fp32 result: the fuzzer draws inputs
-    outside the range DESIGN's fixed fp32 tolerances were set for (scale 3 with head dim 40
+    outside the range the fixed fp32 tolerances were set for (scale 3 with head dim 40
     gives logits of ~20; eager fp32's own dq is then 1.25e-4 off an fp64 oracle, over the
     1e-4 bound). There the fixed tolerance or, failing it, the error-ratio rule against eager
     fp32 must hold."""

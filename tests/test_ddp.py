@@ -59,15 +59,15 @@ def _worker(rank, port, out_dir):
                     "losses": losses, "param_sum": float(flat.double().sum())}
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
-        # Both ranks done before either tears the group down: without it, one CI run in ~10
-        # aborted in gloo's teardown ("terminate called without an active exception", SIGABRT).
+        # Both ranks done before either tears the group down: without it, about one CI run in 10
+        # aborts in gloo's teardown ("terminate called without an active exception", SIGABRT).
         dist.barrier()
     finally:
         dist.destroy_process_group()
     # Results written and the group destroyed: leave without interpreter finalization, where
-    # gloo's threads still tearing down aborted a finished rank now and then ("terminate called
-    # without an active exception", SIGABRT; seen again, with the barrier, in the fresh-clone CI
-    # run at af11d50). An exception above still propagates to mp.spawn.
+    # gloo's threads still tearing down can abort a finished rank ("terminate called without an
+    # active exception", SIGABRT; also with the barrier above, in a fresh-clone CI run). An
+    # exception above still propagates to mp.spawn.
     os._exit(0)
 
 

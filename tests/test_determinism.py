@@ -1,4 +1,4 @@
-"""Bitwise determinism across runs and thread counts, and concurrent calls (issue 8, item 5).
+"""Bitwise determinism across runs and thread counts, and concurrent calls.
 
 The cpu backend is deterministic by construction (a thread count changes only which thread runs
 a block, never how a sum is split): add+norm sums dw/db over fixed row blocks in

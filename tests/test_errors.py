@@ -1,4 +1,4 @@
-"""Error catalogue (issue 8, item 6): every public function and module, each class of bad input,
+"""Error catalogue: every public function and module, each class of bad input,
 a ValueError/TypeError/NotImplementedError whose message names the argument; never a crash.
 
 Each row: (callable, exception type, argument name that must appear in the message).

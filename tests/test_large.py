@@ -1,4 +1,4 @@
-"""64-bit index arithmetic (issue 8, item 4).
+"""64-bit index arithmetic.
 
 Always run: views whose element offsets exceed 2^31 inside small, mostly untouched storages
 (only the touched pages are ever allocated), through add+norm and attention.

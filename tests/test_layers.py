@@ -1,10 +1,11 @@
 """ff.MultiheadAttention and the ff.Transformer* modules vs their torch.nn counterparts.
 
 Every comparison loads the torch module's state_dict into ours (and back), then checks the
-output and the gradient of every parameter and input (DESIGN.md §5): fp32 against the torch
-module run in fp64 (atol=rtol=1e-5 for outputs, 1e-4 for gradients, the attention gradient
-tolerance: every gradient here flows through attention); bf16 by the error-ratio rule against
-the torch module in fp32 (oracle) and in bf16 (torch_lowp). Dropout 0 compares exactly; with
+output and the gradient of every parameter and input (ARCHITECTURE.md, "Numerical policy"): fp32
+against the torch module run in fp64 (atol=rtol=1e-5 for outputs, 1e-4 for gradients, the
+attention gradient tolerance: every gradient here flows through attention); bf16 by the
+error-ratio rule against the torch module in fp32 (oracle) and in bf16 (torch_lowp). Dropout 0
+compares exactly; with
 dropout > 0 the statistics of the outputs are compared (the RNGs differ by design).
 """
 import copy
@@ -58,7 +59,7 @@ def _forward_backward(module, inputs: dict, kwargs: dict, dtype, grad_seed=1):
 
 
 def compare(ours, ref, inputs: dict, kwargs: dict = None, dtype=torch.float32):
-    """ours (in dtype) vs ref: outputs and every gradient, by DESIGN §5's rules."""
+    """ours (in dtype) vs ref: outputs and every gradient, by the numerical policy's rules."""
     kwargs = kwargs or {}
     out, grads = _forward_backward(ours, inputs, kwargs, dtype)
     if dtype == torch.float32:

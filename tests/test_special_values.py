@@ -1,4 +1,4 @@
-"""NaN and +-inf propagate as in eager PyTorch; -inf masks; huge logits (issue 8, item 3)."""
+"""NaN and +-inf propagate as in eager PyTorch; -inf masks; huge logits."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -503,7 +503,7 @@ def _configs(shapes):
 
 # GPU: (BLOCK_M, BLOCK_N, warps, stages), autotuned per (Lq, Lk, head dim, causal) and dtype.
 # Chosen from what ptxas reports at D = 128, bf16, sm_90 (compiled on a machine without a GPU;
-# run times not measured yet): these spill at most 48 bytes of registers there, while 4-warp
+# run times not measured): these spill at most 48 bytes of registers there, while 4-warp
 # programs with 128-row tiles, and dK/dV with 64 x 128 tiles, spill 500-1900 bytes. The larger
 # tiles stay for head dims <= 64; configs that do not fit a head dim fail to compile and the
 # autotuner skips them.

@@ -42,8 +42,8 @@ def _cpu_has_fast_lowp_gemm() -> bool:
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
     """F.linear; on CPUs without bf16/fp16 GEMM hardware, a low-precision projection runs as an
     fp32 GEMM on upcast copies and is rounded once (torch's bf16 GEMM reaches 1-15 GFLOP/s on
-    such CPUs, fp32 ~100 here). Same math as torch's (fp32 accumulation, one rounding of the
-    output); autograd's casts route the gradients the same way."""
+    such CPUs, fp32 ~100 on a 2-core Zen 3). Same math as torch's (fp32 accumulation, one
+    rounding of the output); autograd's casts route the gradients the same way."""
     if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
             and not _cpu_has_fast_lowp_gemm()):
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
