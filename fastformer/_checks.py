@@ -62,15 +62,22 @@ def shape(fn: str, name: str, t: Optional[torch.Tensor], want: tuple, why: str =
 
 
 def number(fn: str, name: str, v, *, lo: float = -math.inf, hi: float = math.inf,
-           lo_open: bool = False, hi_open: bool = False) -> float:
+           lo_open: bool = False, hi_open: bool = False, finite: bool = False) -> float:
+    """`v` as a float in the range (NaN is never in one; ``finite``: neither is +-inf).
+
+    Only comparisons, no math.isnan / isfinite: under torch.compile with dynamic shapes the
+    value may be symbolic, and comparisons of it trace (as guards) where math functions do not.
+    """
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{fn}: `{name}` must be a number, got {type(v).__name__}")
     v = float(v)
-    bad = (math.isnan(v) or v < lo or v > hi or (lo_open and v == lo) or (hi_open and v == hi))
-    if bad:
+    inside = (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+    if not inside:
         left = "(" if lo_open else "["
         right = ")" if hi_open else "]"
         raise ValueError(f"{fn}: `{name}` must be in {left}{lo}, {hi}{right}, got {v}")
+    if finite and not abs(v) < math.inf:
+        raise ValueError(f"{fn}: `{name}` must be finite, got {v}")
     return v
 
 

@@ -33,3 +33,18 @@ def has_cpu_kernels() -> bool:
 
 def has_cuda_kernels() -> bool:
     return CUDA_BUILT
+
+
+def set_cpu_capability(level: str) -> None:
+    """Select the default|avx2|avx512 CPU kernels (tests, benchmarks); cached backend
+    decisions are dropped, since implementations may depend on the level."""
+    from . import backends
+    C.set_cpu_capability(level)
+    backends.clear_cache()
+
+
+def set_cpu_amx(enable: bool) -> None:
+    """Run bf16 on AMX tiles at the avx512 level where the CPU has AMX-BF16 (tests)."""
+    from . import backends
+    C.set_cpu_amx(enable)
+    backends.clear_cache()

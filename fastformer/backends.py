@@ -1,4 +1,4 @@
-"""Backend declarations and selection.
+"""The backend registry, implementation selection and its explanations.
 
 Every op runs on one of four backends with one set of semantics:
 
@@ -11,15 +11,20 @@ cpu         cpu           C++ kernels in ``fastformer._C`` (OpenMP, AVX2/AVX-512
 reference   any           plain PyTorch: the test oracle's twin and the fallback for the rest
 ==========  ============  ===================================================================
 
-A backend *declares* what it supports per op (:class:`OpSupport`: dtypes, features, head dims,
-hidden sizes). :func:`select` walks the priority list for the tensors' device and returns the
-first backend that accepts the call, recording why each earlier one was passed over
-(:func:`last_dispatch`). Forcing a backend (:func:`use_backend` or ``FASTFORMER_BACKEND``) that
-cannot take a call raises ``ValueError`` listing the reasons; ``auto`` never raises for valid
-input, it falls back to ``reference``.
+An op family (``fastformer/ops/<family>.py``) defines its implementations beside their code,
+each an :class:`Impl` subclass stating what it supports (dtypes, the option fields it knows,
+derived features, head dims / hidden sizes), and registers them with its ``OpDef``
+(``ops/_opdef.py``), which registers them here. A backend may have more than one
+implementation of an op (the FFN's fused kernel and its vendor-GEMM route): they are tried in
+registration order and ``ff.last_dispatch()`` names the one that ran.
 
-Ops register their implementations with :func:`register_impl`; a backend with a declaration but
-no implementation for an op is skipped with that reason.
+:func:`select` walks the backends in priority order for the tensors' device (``auto``) and
+returns the first implementation that accepts the call, recording why each earlier one was
+passed over. An option field an implementation does not list is declined with the field's
+name as the reason, so a new option needs no change to the backends that do not take it.
+Forcing a backend (:func:`use_backend` or ``FASTFORMER_BACKEND``) that cannot take a call
+raises ``ValueError`` listing the reasons; ``auto`` never raises for valid input, it falls
+back to ``reference``.
 """
 from __future__ import annotations
 
@@ -28,8 +33,8 @@ import contextvars
 import importlib.util
 import os
 import threading
-from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
@@ -41,45 +46,76 @@ CHOICES = ("auto",) + BACKENDS
 AUTO_PRIORITY = {"cuda": ("cuda", "triton", "reference"), "cpu": ("cpu", "reference")}
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
-_ALL_FLOAT = frozenset({F16, BF16, F32, F64})
+ALL_FLOAT = frozenset({F16, BF16, F32, F64})
+GPU_FLOAT = frozenset({F16, BF16, F32})
+EVERY_OPTION = None  # Impl.options of an implementation that takes every option (the reference)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 @dataclass(frozen=True)
 class Call:
-    """What :func:`select` needs to know about one call of an op."""
+    """What selection looks at for one call of an op (hashable: decisions are cached)."""
 
     op: str
     device: str                               # torch.device.type of the inputs
     dtype: torch.dtype
-    features: frozenset = frozenset()         # op-specific, e.g. {"dropout", "rows_strided"}
-    head_dim: Optional[int] = None            # attention
+    options: frozenset = frozenset()          # option fields set to a non-default value
+    features: frozenset = frozenset()         # derived from the inputs, e.g. {"gqa"}
+    head_dim: Optional[int] = None            # attention, rotary
     hidden: Optional[int] = None              # add+norm, FFN
-    size: int = 0                             # elements of the main input (for auto vetoes)
 
 
-@dataclass(frozen=True)
-class OpSupport:
-    """What one backend supports for one op."""
+class Impl:
+    """One backend's implementation of one op, with what it supports stated beside its code.
 
-    dtypes: frozenset
-    features: frozenset = frozenset()         # features it handles; any other is rejected
+    Subclasses set the class attributes and the op family's methods (``fwd``, ``bwd``, and
+    optionally ``autograd``: a fused eager autograd entry). :meth:`reasons` explains a decline.
+    """
+
+    backend: str = ""                         # one of BACKENDS
+    name: str = ""                            # shown by ff.last_dispatch(); default: backend
+    dtypes: frozenset = ALL_FLOAT
+    options: Optional[frozenset] = frozenset()  # option fields it honours (EVERY_OPTION: all)
+    features: frozenset = frozenset()         # derived features it takes; any other declines
     head_dims: Optional[tuple] = None         # (min, max) inclusive, or None for any
-    head_dim_set: Optional[frozenset] = None  # explicit set of head dims, if restricted
+    head_dim_set: Optional[frozenset] = None  # an explicit set of head dims, if restricted
     max_hidden: Optional[int] = None
-    # For `auto` only: return a reason to skip this backend for a call it *could* run (for
-    # example a shape where it is measured slower than the next backend).
-    auto_veto: Optional[Callable[[Call], Optional[str]]] = None
+    autograd: Optional[Callable] = None       # (*inputs, o) -> visible outputs, with autograd
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not cls.__dict__.get("name"):
+            cls.name = cls.backend
+
+    def unavailable(self) -> Optional[str]:
+        """Why this implementation cannot run in this process now (None if it can)."""
+        return None
+
+    def veto(self, call: Call) -> Optional[str]:
+        """For ``auto`` only: a reason to skip a call this implementation could run (one where
+        it is measured slower than the next candidate)."""
+        return None
 
     def reasons(self, call: Call) -> list:
         why = []
+        unavailable = self.unavailable()
+        if unavailable:
+            return [unavailable]
         if call.dtype not in self.dtypes:
-            names = ", ".join(sorted(str(d).replace("torch.", "") for d in self.dtypes))
-            why.append(f"dtype {str(call.dtype).replace('torch.', '')} not in {{{names}}}")
+            names = ", ".join(sorted(_dtype_name(d) for d in self.dtypes))
+            why.append(f"dtype {_dtype_name(call.dtype)} not in {{{names}}}")
+        if self.options is not EVERY_OPTION:
+            unknown = call.options - self.options
+            if unknown:
+                why.append("does not take option " + ", ".join(f"`{n}`" for n in sorted(unknown)))
         extra = call.features - self.features
         if extra:
             why.append("unsupported " + ", ".join(sorted(extra)))
         if call.head_dim is not None:
-            if self.head_dims is not None and not (self.head_dims[0] <= call.head_dim <= self.head_dims[1]):
+            if self.head_dims is not None and not self.head_dims[0] <= call.head_dim <= self.head_dims[1]:
                 why.append(f"head_dim {call.head_dim} outside {self.head_dims[0]}..{self.head_dims[1]}")
             if self.head_dim_set is not None and call.head_dim not in self.head_dim_set:
                 why.append(f"head_dim {call.head_dim} not in {sorted(self.head_dim_set)}")
@@ -91,28 +127,20 @@ class OpSupport:
 @dataclass
 class Backend:
     name: str
-    devices: Callable[[], frozenset]          # device types it can take right now
+    devices: Callable[[], frozenset]           # device types it can take right now
     availability: Callable[[], Optional[str]]  # None if usable, else why not
-    ops: dict = field(default_factory=dict)   # op name -> OpSupport
-    impls: dict = field(default_factory=dict)  # op name -> implementation object
 
     def reasons(self, call: Call) -> list:
         unavailable = self.availability()
         if unavailable:
             return [unavailable]
-        support = self.ops.get(call.op)
-        if support is None:
-            return [f"no {call.op} kernel"]
-        if call.op not in self.impls:
-            return [f"{call.op} not implemented"]
-        why = []
         devices = self.devices()
-        if call.device not in devices:
-            hint = ""
-            if self.name == "triton" and call.device == "cpu":
-                hint = " (set TRITON_INTERPRET=1 before importing triton to run it on CPU)"
-            why.append(f"takes {'/'.join(sorted(devices)) or 'no'} tensors, got {call.device}{hint}")
-        return why + support.reasons(call)
+        if call.device in devices:
+            return []
+        hint = ""
+        if self.name == "triton" and call.device == "cpu":
+            hint = " (set TRITON_INTERPRET=1 before importing triton to run it on CPU)"
+        return [f"takes {'/'.join(sorted(devices)) or 'no'} tensors, got {call.device}{hint}"]
 
 
 # ---- availability -----------------------------------------------------------------------------
@@ -125,9 +153,7 @@ def triton_interpreter() -> bool:
 
 
 def _triton_availability() -> Optional[str]:
-    if not _triton_installed():
-        return "triton is not installed (pip install triton)"
-    return None
+    return None if _triton_installed() else "triton is not installed (pip install triton)"
 
 
 def _triton_devices() -> frozenset:
@@ -146,79 +172,39 @@ def _cuda_availability() -> Optional[str]:
     return None
 
 
-# ---- declarations ---------------------------------------------------------------------------
-_NORM_FEATURES = frozenset({"residual", "weight", "bias", "rms", "return_residual"})
-
-
-_ATTN_FEATURES = frozenset({"causal_top_left", "causal_bottom_right", "key_padding_mask",
-                            "attn_mask_bool", "attn_mask_float", "dropout", "gqa"})
-_ATTN_CUDA_FEATURES = frozenset({"causal_top_left", "causal_bottom_right", "key_padding_mask",
-                                 "gqa"})
-
-
-# Rotary embedding: every kernel takes both pair layouts and partial rotation (R < D).
-_ROTARY_FEATURES = frozenset({"interleaved"})
-# Feed-forward: "ffn" (Linear -> act -> dropout -> Linear) and "swiglu" (the gated variant, no
-# dropout). Activations are arguments every backend takes; features are what varies per call.
-_FFN_FEATURES = frozenset({"bias", "dropout"})
-_FFN_STRIDES = frozenset({"last_dim_strided", "rows_strided"})  # rows_strided: no single row stride
-
-
-_REGISTRY = {
-    "cuda": Backend(
-        "cuda", lambda: frozenset({"cuda"}), _cuda_availability,
-        ops={
-            "add_norm": OpSupport(frozenset({F16, BF16, F32}), _NORM_FEATURES, max_hidden=None),
-            # fp32, other head dims, masks and dropout fall back to triton
-            "attention": OpSupport(frozenset({F16, BF16}), _ATTN_CUDA_FEATURES,
-                                   head_dim_set=frozenset({64, 128})),
-            # cuBLAS GEMMs + fused epilogue kernels; dropout falls back to triton
-            "ffn": OpSupport(frozenset({F16, BF16, F32}), frozenset({"bias"})),
-            "swiglu": OpSupport(frozenset({F16, BF16, F32}), frozenset({"bias"})),
-        }),
-    "triton": Backend(
-        "triton", _triton_devices, _triton_availability,
-        ops={
-            "add_norm": OpSupport(frozenset({F16, BF16, F32}), _NORM_FEATURES, max_hidden=16384),
-            "attention": OpSupport(frozenset({F16, BF16, F32}), _ATTN_FEATURES, head_dims=(16, 256)),
-            "rotary": OpSupport(frozenset({F16, BF16, F32}), _ROTARY_FEATURES),
-            "ffn": OpSupport(frozenset({F16, BF16, F32}), _FFN_FEATURES | {"last_dim_strided"}),
-            "swiglu": OpSupport(frozenset({F16, BF16, F32}), _FFN_FEATURES | {"last_dim_strided"}),
-        }),
-    "cpu": Backend(
-        "cpu", lambda: frozenset({"cpu"}), _cpu_availability,
-        ops={
-            "add_norm": OpSupport(_ALL_FLOAT, _NORM_FEATURES | {"rows_strided"}),
-            "attention": OpSupport(_ALL_FLOAT, _ATTN_FEATURES, head_dims=(1, 256)),
-            "rotary": OpSupport(_ALL_FLOAT, _ROTARY_FEATURES),
-            "ffn": OpSupport(_ALL_FLOAT, _FFN_FEATURES | _FFN_STRIDES),
-            "swiglu": OpSupport(_ALL_FLOAT, _FFN_FEATURES | _FFN_STRIDES),
-        }),
-    "reference": Backend(
-        "reference", lambda: frozenset({"cpu", "cuda", "mps", "xpu", "meta"}), lambda: None,
-        ops={
-            "add_norm": OpSupport(_ALL_FLOAT, _NORM_FEATURES | {"rows_strided", "last_dim_strided"}),
-            "attention": OpSupport(_ALL_FLOAT, _ATTN_FEATURES | {"v_head_dim_differs",
-                                                                "last_dim_strided"}),
-            "rotary": OpSupport(_ALL_FLOAT, _ROTARY_FEATURES | {"last_dim_strided"}),
-            "ffn": OpSupport(_ALL_FLOAT, _FFN_FEATURES | _FFN_STRIDES),
-            "swiglu": OpSupport(_ALL_FLOAT, _FFN_FEATURES | _FFN_STRIDES),
-        }),
+_BACKENDS = {
+    "cuda": Backend("cuda", lambda: frozenset({"cuda"}), _cuda_availability),
+    "triton": Backend("triton", _triton_devices, _triton_availability),
+    "cpu": Backend("cpu", lambda: frozenset({"cpu"}), _cpu_availability),
+    "reference": Backend("reference", lambda: frozenset({"cpu", "cuda", "mps", "xpu", "meta"}),
+                         lambda: None),
 }
+_IMPLS: dict = {}  # op name -> [Impl], registration order
 
 
 def get(name: str) -> Backend:
-    return _REGISTRY[name]
+    return _BACKENDS[name]
 
 
-def register_impl(op: str, backend: str, impl) -> None:
-    """Attach the implementation of `op` on `backend` (called by fastformer/ops/*)."""
-    _REGISTRY[backend].impls[op] = impl
+def register(op: str, impl: Impl) -> None:
+    """Add an implementation of `op` (called by OpDef.implementation)."""
+    if impl.backend not in _BACKENDS:
+        raise ValueError(f"{type(impl).__name__}: unknown backend {impl.backend!r}")
+    _IMPLS.setdefault(op, []).append(impl)
+    _select_cache.clear()
+
+
+def implementations(op: str, backend: Optional[str] = None) -> list:
+    """The implementations of `op` (of one backend, if given), in selection order."""
+    return [i for i in _IMPLS.get(op, ()) if backend is None or i.backend == backend]
 
 
 def declared(op: str) -> dict:
-    """{backend name: OpSupport} for an op: what tests are generated from."""
-    return {name: b.ops[op] for name, b in _REGISTRY.items() if op in b.ops}
+    """{backend name: [Impl]} for an op (what the tests are generated from)."""
+    out: dict = {}
+    for impl in _IMPLS.get(op, ()):
+        out.setdefault(impl.backend, []).append(impl)
+    return out
 
 
 # ---- forcing a backend ----------------------------------------------------------------------
@@ -236,13 +222,18 @@ _env_backend: Optional[str] = os.environ.get("FASTFORMER_BACKEND") or None
 
 def reload_env() -> None:
     """Re-read FASTFORMER_BACKEND (and the other FASTFORMER_* switches). They are read once at
-    import, because an environment lookup per op call costs ~3 us here."""
+    import, because an environment lookup per op call costs ~3 us."""
     global _env_backend
-    env = os.environ.get("FASTFORMER_BACKEND")
-    _env_backend = env or None
+    _env_backend = os.environ.get("FASTFORMER_BACKEND") or None
+    clear_cache()
+    from .ops import _opdef
+    _opdef.reload_env()
+
+
+def clear_cache() -> None:
+    """Forget cached decisions (after something they depend on changed: the CPU kernel level,
+    AMX on or off)."""
     _select_cache.clear()
-    from .ops import _common
-    _common.reload_env()
 
 
 def current_backend() -> str:
@@ -268,8 +259,6 @@ def use_backend(name: str):
 
 
 # ---- selection ------------------------------------------------------------------------------
-# Decisions are cached per (Call, forced backend): Call is a small frozen dataclass of what
-# select() looks at, so equal calls get equal answers; the cache is cleared by reload_env().
 _last = threading.local()
 
 
@@ -278,56 +267,59 @@ class Dispatch:
     op: str
     backend: str
     forced: bool
-    rejected: dict  # backend name -> list of reasons
+    rejected: dict  # implementation name -> list of reasons
+    impl: str = ""  # the implementation that ran (its backend's name unless it has several)
 
     def __str__(self) -> str:
-        lines = [f"{self.op}: {self.backend}" + (" (forced)" if self.forced else "")]
+        lines = [f"{self.op}: {self.impl or self.backend}" + (" (forced)" if self.forced else "")]
         for name, why in self.rejected.items():
             lines.append(f"  skipped {name}: {'; '.join(why)}")
         return "\n".join(lines)
 
 
+# Decisions are cached per (Call, forced backend): equal calls get equal answers. Cleared by
+# reload_env() / clear_cache() and when an implementation registers.
 _select_cache: dict = {}
 
 
-def select(call: Call, backend: Optional[str] = None) -> Backend:
-    """Return the backend that runs `call` (see module docstring)."""
+def select(call: Call, backend: Optional[str] = None) -> Impl:
+    """The implementation that runs `call` (see the module docstring)."""
     forced = backend if backend is not None else current_backend()
     key = (call, forced)
     hit = _select_cache.get(key)
     if hit is not None:
         _last.value = hit[1]
         return hit[0]
-    chosen = _select(call, forced)
-    if call.device != "cpu" or "triton" != chosen.name:  # TRITON_INTERPRET may change
+    impl, dispatch = _select(call, forced)
+    _last.value = dispatch
+    if call.device != "cpu" or impl.backend != "triton":  # TRITON_INTERPRET may change
         if len(_select_cache) > 4096:
             _select_cache.clear()
-        _select_cache[key] = (chosen, _last.value)
-    return chosen
+        _select_cache[key] = (impl, dispatch)
+    return impl
 
 
-def _select(call: Call, forced: str) -> Backend:
-    if forced != "auto":
-        chosen = _REGISTRY[forced]
-        why = chosen.reasons(call)
-        if why:
-            raise ValueError(f"backend '{forced}' cannot run {call.op} on this input: "
-                             + "; ".join(why))
-        _last.value = Dispatch(call.op, forced, True, {})
-        return chosen
+def _select(call: Call, forced: str):
     rejected = {}
-    for name in AUTO_PRIORITY.get(call.device, ("reference",)):
-        cand = _REGISTRY[name]
-        why = cand.reasons(call)
-        if not why and name != "reference":
-            veto = cand.ops[call.op].auto_veto
-            reason = veto(call) if veto is not None else None
-            if reason:
-                why = [reason]
-        if not why:
-            _last.value = Dispatch(call.op, name, False, rejected)
-            return cand
-        rejected[name] = why
+    names = (forced,) if forced != "auto" else AUTO_PRIORITY.get(call.device, ("reference",))
+    for name in names:
+        backend_why = _BACKENDS[name].reasons(call)
+        impls = implementations(call.op, name)
+        if backend_why or not impls:
+            rejected[name] = backend_why or [f"no {call.op} implementation"]
+            continue
+        for impl in impls:
+            why = impl.reasons(call)
+            if not why and forced == "auto" and name != "reference":
+                veto = impl.veto(call)
+                why = [veto] if veto else []
+            if not why:
+                return impl, Dispatch(call.op, name, forced != "auto", rejected, impl.name)
+            rejected[impl.name] = why
+    if forced != "auto":
+        raise ValueError(f"backend '{forced}' cannot run {call.op} on this input: "
+                         + "; ".join(f"{n}: {'; '.join(w)}" if n != forced else "; ".join(w)
+                                     for n, w in rejected.items()))
     raise ValueError(f"no backend can run {call.op}: {rejected}")  # reference takes everything
 
 
@@ -337,46 +329,48 @@ def record(dispatch: Optional[Dispatch]) -> None:
 
 
 def last_dispatch() -> Optional[Dispatch]:
-    """The most recent selection made in this thread: backend, and why others were skipped."""
+    """The most recent selection made in this thread: implementation, and why others were
+    skipped."""
     return getattr(_last, "value", None)
 
 
 def explain(call: Call) -> str:
-    """Every backend's verdict on a call, one line each."""
+    """Every implementation's verdict on a call, one line each (backends without one too)."""
     lines = []
     for name in BACKENDS:
-        why = _REGISTRY[name].reasons(call)
-        lines.append(f"{name}: " + ("ok" if not why else "; ".join(why)))
+        backend_why = _BACKENDS[name].reasons(call)
+        impls = implementations(call.op, name)
+        if backend_why or not impls:
+            lines.append(f"{name}: " + "; ".join(backend_why or [f"no {call.op} implementation"]))
+            continue
+        for impl in impls:
+            why = impl.reasons(call)
+            lines.append(f"{impl.name}: " + ("ok" if not why else "; ".join(why)))
     return "\n".join(lines)
 
 
 def available_backends() -> list:
     """Backends usable in this process (installed/built), whatever the device."""
-    out = []
-    for name in BACKENDS:
-        if _REGISTRY[name].availability() is not None:
-            continue
-        if name in ("cuda",) and not torch.cuda.is_available():
-            continue
-        if name == "triton" and not (torch.cuda.is_available() or triton_interpreter()):
-            continue
-        out.append(name)
-    return out
+    return [name for name, status in backend_status().items() if status == "available"]
 
 
 def backend_status() -> dict:
     """{name: 'available' or the reason it is not} for every backend."""
     status = {}
     for name in BACKENDS:
-        why = _REGISTRY[name].availability()
+        why = _BACKENDS[name].availability()
         if why is None and name in ("cuda", "triton") and not torch.cuda.is_available():
-            if name == "triton" and triton_interpreter():
-                why = None
-            else:
+            if not (name == "triton" and triton_interpreter()):
                 why = "no CUDA device" + (" (TRITON_INTERPRET=1 runs it on CPU)" if name == "triton" else "")
         status[name] = "available" if why is None else why
     return status
 
 
-def ops_of(names: Iterable[str] = BACKENDS) -> dict:
-    return {n: sorted(set(_REGISTRY[n].ops) & set(_REGISTRY[n].impls)) for n in names}
+def ops_of() -> dict:
+    """{backend: [op names with an implementation that can run in this process]}."""
+    out = {name: set() for name in BACKENDS}
+    for op, impls in _IMPLS.items():
+        for impl in impls:
+            if impl.unavailable() is None:
+                out[impl.backend].add(op)
+    return {name: sorted(ops) for name, ops in out.items()}

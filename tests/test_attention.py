@@ -1,4 +1,5 @@
-"""ff.attention on the cpu and reference backends vs eager PyTorch (DESIGN.md §5).
+"""ff.attention on the cpu and reference backends vs eager PyTorch (ARCHITECTURE.md, "Numerical
+policy").
 
 Every case checks the output and dq, dk, dv. fp32 against an fp64 oracle (atol=rtol=1e-5
 forward, 1e-4 gradients); fp16/bf16 by the error-ratio rule against eager PyTorch in the same
@@ -84,7 +85,7 @@ def test_bf16_score_gemms_amx_and_fma(amx, lq, lk, d, heads, causal):
     if amx and not info.get("amx_bf16"):
         pytest.skip(f"AMX-BF16 not usable here: {info.get('amx_note')}")
     q, k, v, go = _inputs(2, heads[0], heads[1], lq, lk, d, torch.bfloat16)
-    ff._ext.C.set_cpu_amx(amx)
+    ff._ext.set_cpu_amx(amx)
     try:
         _compare("cpu", q, k, v, go, causal=causal)
         # a padded key row and a float mask: the score_row path after the AMX GEMM
@@ -92,7 +93,7 @@ def test_bf16_score_gemms_amx_and_fma(amx, lq, lk, d, heads, causal):
         mask = torch.randn(lq, lk, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
         _compare("cpu", q, k, v, go, causal=causal, key_padding_mask=pad, attn_mask=mask)
     finally:
-        ff._ext.C.set_cpu_amx(bool(info.get("amx_bf16")))
+        ff._ext.set_cpu_amx(bool(info.get("amx_bf16")))
 
 
 def _padding(B, Lk, seed=1):
@@ -156,8 +157,8 @@ def test_large_scores_rising_between_key_blocks(backend, jump):
     (kBlockK = 192 keys, csrc/cpu/attention_common.h; the reference ignores blocks): the online
     softmax rescales at every block, at magnitudes where fp32 rounding of the scaled scores is
     ~1e-5. The backward recomputes P from the saved lse, so it must score exactly as the forward
-    did: the CPU kernels once scaled Q before the forward's GEMM but S after the backward's, and
-    at jump 100 dq came out 2e-4 off (eager 2e-6). Entries are multiples of 1/64 and scale is 1,
+    did: scaling Q before the forward's GEMM but S after the backward's puts dq 2e-4 off at
+    jump 100 (eager 2e-6). Entries are multiples of 1/64 and scale is 1,
     so Q K^T is exact in fp32 and the comparison with the fp64 oracle measures the softmax."""
     q, k, v, go = rising_score_inputs(jump, block=192)
     _compare(backend, q, k, v, go, scale=1.0)

@@ -1,12 +1,12 @@
 """Triton flash attention, forward and backward, under Triton's interpreter vs eager PyTorch.
 
 Every test forces the triton backend (conftest sets TRITON_INTERPRET=1, so it runs on CPU
-tensors). Oracle (DESIGN.md §5): eager PyTorch autograd in fp64 for fp32 inputs (forward
-atol=rtol=1e-5, gradients 1e-4) and in fp32 for fp16/bf16 inputs, which follow the error-ratio
-rule against eager PyTorch in the same dtype (tests/oracle.py). The interpreter costs
-milliseconds per program, so batch and heads stay small and its blocks are 128 wide; one test
-shrinks the blocks to walk the many-block causal paths that GPUs take. The `gpu` tests at the
-end run the compiled kernels on CUDA tensors (TRITON_INTERPRET=0, benchmarks/gpu_check.sh).
+tensors). Oracle (ARCHITECTURE.md, "Numerical policy"): eager PyTorch autograd in fp64 for fp32
+inputs (forward atol=rtol=1e-5, gradients 1e-4) and in fp32 for fp16/bf16 inputs, which follow
+the error-ratio rule against eager PyTorch in the same dtype (tests/oracle.py). The interpreter
+costs milliseconds per program, so batch and heads stay small and its blocks are 128 wide; one
+test shrinks the blocks to walk the many-block causal paths that GPUs take. The `gpu` tests at
+the end run the compiled kernels on CUDA tensors (TRITON_INTERPRET=0, benchmarks/gpu_check.sh).
 """
 import math
 
@@ -17,7 +17,7 @@ from oracle import check
 
 import fastformer as ff
 from fastformer.ops import attention_triton
-from fastformer.ops.attention import dropout_keep_mask
+from fastformer.ops.attention import AttentionOptions, dropout_keep_mask
 from fastformer.reference.rng import draw_rng_state
 
 pytest.importorskip("triton")
@@ -204,8 +204,8 @@ def test_fully_masked_rows_give_zeros_and_zero_grads():
         assert torch.isfinite(t).all(), name
         assert (t[empty] == 0).all(), f"{name} is not 0 on fully masked rows"
     assert (dk[1] == 0).all() and (dv[1] == 0).all(), "padded keys must get zero grads"
-    _, lse = attention_triton.attention_fwd(q, k, v, mask.expand(B, H, Lq, Lk), kpm, 2,
-                                            D ** -0.5, 0.0, None)
+    _, lse = attention_triton.attention_fwd(q, k, v, AttentionOptions(
+        causal=2, attn_mask=mask.expand(B, H, Lq, Lk), key_padding_mask=kpm))
     assert torch.isposinf(lse[empty]).all() and torch.isfinite(lse[~empty]).all()
 
 
@@ -257,7 +257,8 @@ def test_dropout_mask_is_the_reference_rng_bit_for_bit(p):
     q, k, _, _ = make_qkv(B, H, H, L, L, L, F32)
     v = torch.eye(L).expand(B, H, L, L)
     rng_state = torch.tensor([2**40 + 12345, 2**32 - 5000], dtype=torch.int64)
-    out, _ = attention_triton.attention_fwd(q * 0.1, k, v, None, None, 0, 0.125, p, rng_state)
+    out, _ = attention_triton.attention_fwd(q * 0.1, k, v, AttentionOptions(
+        scale=0.125, dropout_p=p, rng_state=rng_state))
     keep = dropout_keep_mask(rng_state, (B, H, L, L), p)
     assert torch.equal(out != 0, keep)
     assert abs(keep.float().mean() - (1 - p)) < 0.05
@@ -327,7 +328,8 @@ def test_gpu_dropout(cuda_compiled):
     q, k, _, _ = make_qkv(B, H, H, L, L, L, F32, device=cuda_compiled)
     v = torch.eye(L, device=cuda_compiled).expand(B, H, L, L)
     rng_state = torch.tensor([2**40 + 12345, 2**32 - 5000], dtype=torch.int64)
-    out, _ = attention_triton.attention_fwd(q * 0.1, k, v, None, None, 0, 0.125, p, rng_state)
+    out, _ = attention_triton.attention_fwd(q * 0.1, k, v, AttentionOptions(
+        scale=0.125, dropout_p=p, rng_state=rng_state))
     assert torch.equal((out != 0).cpu(), dropout_keep_mask(rng_state, (B, H, L, L), p))
 
     q, k, v, dout = make_qkv(2, 4, 2, 300, 200, 64, BF16, device=cuda_compiled)

@@ -58,7 +58,7 @@ def test_auto_falls_back_and_explains():
 
 
 def test_explain_lists_every_backend():
-    call = backends.Call("add_norm", "cpu", torch.float32, frozenset(), hidden=64)
+    call = backends.Call("add_norm", "cpu", torch.float32, hidden=64)
     text = backends.explain(call)
     for name in backends.BACKENDS:
         assert text.count(f"{name}:") == 1
@@ -71,23 +71,25 @@ def test_backward_uses_the_forward_backend_outside_the_block():
         y = ff.layer_norm(x, None, None)
     ff.layer_norm(torch.randn(2, 4), None, None)  # an auto call in between
     calls = []
-    ref_impl = backends.get("reference").impls["add_norm"]
+    ref_impl = backends.implementations("add_norm", "reference")[0]
     original = ref_impl.bwd
-    ref_impl.bwd = staticmethod(lambda *a: calls.append(1) or original(*a))
+    ref_impl.bwd = lambda *a: calls.append(1) or original(*a)
     try:
         y.sum().backward()
     finally:
-        ref_impl.bwd = original
+        del ref_impl.bwd
     assert calls == [1]
     d = ff.last_dispatch()
     assert d.backend == "reference" and d.forced
 
 
 def test_declarations_match_implementations():
-    for op in ("add_norm",):
-        for name, support in backends.declared(op).items():
-            assert op in backends.get(name).impls, f"{name} declares {op} but has no implementation"
-            assert support.dtypes, f"{name}.{op} declares no dtypes"
+    for op in ("add_norm", "attention", "ffn", "rotary"):
+        impls = backends.implementations(op)
+        assert {i.backend for i in impls} >= {"cpu", "triton", "reference"}, op
+        for impl in impls:
+            assert impl.dtypes, f"{impl.name}.{op} declares no dtypes"
+            assert impl.backend in backends.BACKENDS and impl.name.startswith(impl.backend)
 
 
 def test_available_backends_and_info():
@@ -139,3 +141,27 @@ def test_cpu_arch_override_env():
     out = _run_python("import fastformer as ff; print(ff.info()['cpu']['note'])",
                       FASTFORMER_CPU_ARCH="sse9")
     assert "ignored" in out
+
+
+def test_option_structs_mirror_the_python_options():
+    """csrc/options.h's structs have the Python option dataclasses' fields, in their order."""
+    from fastformer.ops import attention, ffn, norm, rotary
+    fields = ff._ext.C.option_fields()
+    assert fields == {"attention": list(attention.AttentionOptions.fields),
+                      "add_norm": list(norm.NormOptions.fields),
+                      "ffn": list(ffn.FfnOptions.fields),
+                      "rotary": list(rotary.RotaryOptions.fields)}
+
+
+def test_an_option_an_implementation_does_not_list_is_declined_by_its_name():
+    cuda = backends.implementations("attention", "cuda")[0]
+    call = backends.Call("attention", "cuda", torch.float16, frozenset({"dropout_p"}), head_dim=64)
+    assert "does not take option `dropout_p`" in "; ".join(cuda.reasons(call))
+    # A field no kernel lists yet: every kernel declines it, auto falls back to the reference
+    # and says why.
+    call = backends.Call("attention", "cpu", torch.float32, frozenset({"a_new_option"}), head_dim=64)
+    impl = backends.select(call)
+    d = ff.last_dispatch()
+    assert impl.backend == "reference" and "`a_new_option`" in "; ".join(d.rejected["cpu"])
+    with ff.use_backend("cpu"), pytest.raises(ValueError, match="a_new_option"):
+        backends.select(call)

@@ -1,62 +1,245 @@
-"""Custom-op registration: torch.compile(fullgraph=True) and torch.library.opcheck."""
+"""The op definitions (fastformer/ops/_opdef.py): torch.compile (fullgraph, dynamic shapes),
+torch.export, torch.library.opcheck of every custom-op pair, the eager-via-ops route, and the
+backward running on the forward's implementation on both routes."""
 import pytest
 import torch
 
 import fastformer as ff
+from fastformer import backends
+from fastformer.ops import attention as attn_ops
+from fastformer.ops import ffn as ffn_ops
 from fastformer.ops import norm as norm_ops
+from fastformer.ops import rotary as rotary_ops
 
 
-def _ln_block(x, r, w, b):
+# ---- one function per op family, and its inputs ----------------------------------------------
+def _attention(q, k, v):
+    return ff.attention(q, k, v, causal=True)
+
+
+def _attention_masked(q, k, v, kpm):
+    return ff.attention(q, k, v, key_padding_mask=kpm, scale=0.3)
+
+
+def _norm(x, r, w, b):
     y, res = ff.add_layer_norm(x, r, w, b, return_residual=True)
-    return (y * 2).sum() + res.sum(), y
+    return y * 2 + res
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compile_fullgraph_add_layer_norm_matches_eager(backend):
-    torch._dynamo.reset()
-    x = torch.randn(6, 40, requires_grad=True)
-    r = torch.randn(6, 40, requires_grad=True)
-    w = torch.randn(40, requires_grad=True)
-    b = torch.randn(40, requires_grad=True)
-    compiled = torch.compile(_ln_block, fullgraph=True, backend=backend)
-    loss_c, y_c = compiled(x, r, w, b)
-    grads_c = torch.autograd.grad(loss_c, (x, r, w, b))
-    loss_e, y_e = _ln_block(x, r, w, b)
-    grads_e = torch.autograd.grad(loss_e, (x, r, w, b))
-    torch.testing.assert_close(y_c, y_e)
-    for gc, ge in zip(grads_c, grads_e):
-        torch.testing.assert_close(gc, ge)
+def _rms(x, w):
+    return ff.rms_norm(x, w)
 
 
-def test_opcheck_add_norm_ops():
-    x = torch.randn(5, 24, requires_grad=True)
-    r = torch.randn(5, 24, requires_grad=True)
-    w = torch.randn(24, requires_grad=True)
-    b = torch.randn(24, requires_grad=True)
-    torch.library.opcheck(norm_ops.add_norm_fwd_op, (x, r, w, b, 1e-5, False, True))
-    torch.library.opcheck(norm_ops.add_norm_fwd_op, (x, None, w, None, 1e-6, True, False))
-    y, res, mean, rstd = norm_ops.add_norm_fwd_op(x.detach(), r.detach(), w.detach(), b.detach(),
-                                                  1e-5, False, True)
-    dy = torch.randn_like(y)
-    torch.library.opcheck(norm_ops.add_norm_bwd_op,
-                          (dy, None, res, None, w.detach(), mean, rstd, False, True, True,
-                           torch.float32))
+def _swiglu(x, wg, wu, wd):
+    return ff.swiglu_ffn(x, wg, wu, wd)
 
 
-def test_eager_via_ops_route(monkeypatch):
-    """FASTFORMER_EAGER_VIA_OPS=1 sends eager calls through torch.ops: same results."""
-    x = torch.randn(7, 33, requires_grad=True)
-    w = torch.randn(33, requires_grad=True)
-    y1 = ff.rms_norm(x, w)
-    g1 = torch.autograd.grad(y1.square().sum(), (x, w))
-    monkeypatch.setenv("FASTFORMER_EAGER_VIA_OPS", "1")
-    ff.backends.reload_env()
-    try:
-        y2 = ff.rms_norm(x, w)
-        g2 = torch.autograd.grad(y2.square().sum(), (x, w))
-    finally:
-        monkeypatch.delenv("FASTFORMER_EAGER_VIA_OPS")
-        ff.backends.reload_env()
-    torch.testing.assert_close(y1, y2)
-    for a, b in zip(g1, g2):
+def _ffn(x, w1, b1, w2, b2):
+    return ff.ffn(x, w1, b1, w2, b2, activation="gelu_tanh")
+
+
+def _rotary(x, cos, sin):
+    return ff.apply_rotary(x, cos, sin)
+
+
+def _cases():
+    """(name, fn, make(B, L) -> inputs, indices of the inputs that get gradients,
+    {input index: (batch dim, sequence dim)})."""
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g)
+
+    D = 16
+    return [
+        ("attention", _attention, lambda B, L: [rnd(B, 4, L, D), rnd(B, 2, L, D), rnd(B, 2, L, D)],
+         (0, 1, 2), {0: (0, 2), 1: (0, 2), 2: (0, 2)}),
+        ("attention_masked", _attention_masked,
+         lambda B, L: [rnd(B, 2, L, D), rnd(B, 2, L, D), rnd(B, 2, L, D),
+                       torch.arange(L).expand(B, L) >= L - 2],
+         (0, 1, 2), {0: (0, 2), 1: (0, 2), 2: (0, 2), 3: (0, 1)}),
+        ("add_layer_norm", _norm, lambda B, L: [rnd(B, L, 40), rnd(B, L, 40), rnd(40), rnd(40)],
+         (0, 1, 2, 3), {0: (0, 1), 1: (0, 1)}),
+        ("rms_norm", _rms, lambda B, L: [rnd(B, L, 40), rnd(40)], (0, 1), {0: (0, 1)}),
+        ("swiglu", _swiglu, lambda B, L: [rnd(B, L, 24), rnd(40, 24), rnd(40, 24), rnd(24, 40)],
+         (0, 1, 2, 3), {0: (0, 1)}),
+        ("ffn", _ffn, lambda B, L: [rnd(B, L, 24), rnd(40, 24), rnd(40), rnd(24, 40), rnd(24)],
+         (0, 1, 2, 3, 4), {0: (0, 1)}),
+        ("rotary", _rotary, lambda B, L: [rnd(B, 3, L, D), rnd(L, 4), rnd(L, 4)], (0,),
+         {0: (0, 2), 1: (None, 0), 2: (None, 0)}),
+    ]
+
+
+CASES = {c[0]: c for c in _cases()}
+
+
+def _loss_and_grads(fn, inputs, grad_idx):
+    leaves = [t.detach().clone().requires_grad_(i in grad_idx) for i, t in enumerate(inputs)]
+    out = fn(*leaves)
+    grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.shape[-1])).sum(),
+                                [leaves[i] for i in grad_idx])
+    return out.detach(), grads
+
+
+def _assert_matches_eager(compiled, fn, inputs, grad_idx):
+    out_c, grads_c = _loss_and_grads(compiled, inputs, grad_idx)
+    out_e, grads_e = _loss_and_grads(fn, inputs, grad_idx)
+    torch.testing.assert_close(out_c, out_e)
+    for a, b in zip(grads_c, grads_e):
         torch.testing.assert_close(a, b)
+
+
+# ---- torch.compile ---------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("name", ["attention", "add_layer_norm", "swiglu"])
+def test_compile_fullgraph_matches_eager(name, backend):
+    torch._dynamo.reset()
+    _, fn, make, grad_idx, _ = CASES[name]
+    compiled = torch.compile(fn, fullgraph=True, backend=backend)
+    _assert_matches_eager(compiled, fn, make(2, 17), grad_idx)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_compile_dynamic_shapes_matches_eager(name):
+    """dynamic=True: one graph for several batch sizes and lengths, every op fullgraph."""
+    torch._dynamo.reset()
+    _, fn, make, grad_idx, _ = CASES[name]
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    for B, L in ((2, 17), (3, 9), (1, 30)):
+        _assert_matches_eager(compiled, fn, make(B, L), grad_idx)
+
+
+@pytest.mark.parametrize("name", ["attention", "rms_norm", "ffn", "rotary"])
+def test_compile_mark_dynamic_every_dim(name):
+    """mark_dynamic on every dim of every input (head dims and hidden sizes included): the
+    checks and the fake implementations trace with symbolic sizes."""
+    torch._dynamo.reset()
+    _, fn, make, grad_idx, _ = CASES[name]
+    inputs = make(2, 17)
+    for t in inputs:
+        for d in range(t.dim()):
+            if t.shape[d] > 1:
+                torch._dynamo.mark_dynamic(t, d)
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    _assert_matches_eager(compiled, fn, inputs, grad_idx)
+
+
+# ---- torch.export ----------------------------------------------------------------------------
+class _AsModule(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *inputs):
+        return self.fn(*inputs)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_export_with_dynamic_batch_and_sequence(name):
+    _, fn, make, _, dims = CASES[name]
+    inputs = make(2, 17)
+    batch, seq = torch.export.Dim("batch", min=1, max=64), torch.export.Dim("seq", min=2, max=512)
+    shapes = []
+    for i, t in enumerate(inputs):
+        b_dim, s_dim = dims.get(i, (None, None))
+        spec = {}
+        if b_dim is not None:
+            spec[b_dim] = batch
+        if s_dim is not None:
+            spec[s_dim] = seq
+        shapes.append(spec or None)
+    program = torch.export.export(_AsModule(fn), tuple(inputs),
+                                  dynamic_shapes={"inputs": tuple(shapes)})
+    for B, L in ((2, 17), (5, 33)):
+        other = make(B, L)
+        torch.testing.assert_close(program.module()(*other), fn(*other))
+
+
+# ---- opcheck of every custom-op pair ---------------------------------------------------------
+def _opcheck_pair(op, inputs, o, grads_of):
+    args = op.op_args(tuple(inputs), o)
+    torch.library.opcheck(op.fwd_op, args)
+    outputs = op.fwd_op(*args)
+    saved = op.save(tuple(inputs), o, tuple(outputs[:-1]))
+    grads = [torch.randn_like(outputs[i]) for i in grads_of]
+    needs = [t is not None for t in inputs] + [False] * len(o.differentiable)
+    torch.library.opcheck(op.bwd_op, (grads, list(saved), *o.flat(), needs, outputs[-1]))
+
+
+def test_opcheck_every_op():
+    x, r, w, b = torch.randn(5, 24), torch.randn(5, 24), torch.randn(24), torch.randn(24)
+    _opcheck_pair(norm_ops.ADD_NORM, [x, r, w, b],
+                  norm_ops.NormOptions(eps=1e-5, return_residual=True), (0, 1))
+    _opcheck_pair(norm_ops.ADD_NORM, [x, None, w, None],
+                  norm_ops.NormOptions(eps=1e-6, rms=True), (0,))
+    q, k, v = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 11, 16), torch.randn(2, 2, 11, 16)
+    kpm = torch.zeros(2, 11, dtype=torch.bool)
+    kpm[1, -3:] = True
+    _opcheck_pair(attn_ops.ATTENTION, [q, k, v],
+                  attn_ops.AttentionOptions(causal=2, key_padding_mask=kpm), (0,))
+    xf, w1, w2, wu = torch.randn(5, 8), torch.randn(12, 8), torch.randn(8, 12), torch.randn(12, 8)
+    _opcheck_pair(ffn_ops.FFN, [xf, w1, torch.randn(12), w2, None, wu, None],
+                  ffn_ops.FfnOptions(activation=3, store_preactivation=True), (0,))
+    xr = torch.randn(2, 3, 7, 16)
+    _opcheck_pair(rotary_ops.ROTARY, [xr],
+                  rotary_ops.RotaryOptions(cos=torch.randn(7, 8), sin=torch.randn(7, 8)), (0,))
+
+
+# ---- routes --------------------------------------------------------------------------------
+@pytest.fixture
+def via_ops(monkeypatch):
+    monkeypatch.setenv("FASTFORMER_EAGER_VIA_OPS", "1")
+    backends.reload_env()
+    yield
+    monkeypatch.delenv("FASTFORMER_EAGER_VIA_OPS")
+    backends.reload_env()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_eager_via_ops_route_matches_the_function_route(name, request):
+    """FASTFORMER_EAGER_VIA_OPS=1 sends eager calls through torch.ops: same results."""
+    _, fn, make, grad_idx, _ = CASES[name]
+    inputs = make(2, 17)
+    base = _loss_and_grads(fn, inputs, grad_idx)
+    request.getfixturevalue("via_ops")
+    out, grads = _loss_and_grads(fn, inputs, grad_idx)
+    torch.testing.assert_close(out, base[0])
+    for a, b in zip(grads, base[1]):
+        torch.testing.assert_close(a, b)
+
+
+def _counting_bwd(monkeypatch, op: str, backend: str) -> list:
+    """Counts the calls of `backend`'s backward of `op` (its first implementation)."""
+    impl = backends.implementations(op, backend)[0]
+    calls = []
+    original = impl.bwd
+    monkeypatch.setattr(impl, "bwd", lambda *a: calls.append(1) or original(*a))
+    return calls
+
+
+@pytest.mark.parametrize("route", ["function", "custom_op", "compile"])
+@pytest.mark.parametrize("name,op", [("attention", "attention"), ("rms_norm", "add_norm"),
+                                     ("ffn", "ffn")])
+def test_backward_runs_on_the_forwards_backend(route, name, op, monkeypatch, request):
+    """``with ff.use_backend("triton"): y = f(x)`` then ``y.backward()`` outside the block runs
+    Triton's backward (not a second selection's cpu backward), on every route."""
+    if "triton" not in ff.available_backends():
+        pytest.skip("triton is not usable here (needs the interpreter or a GPU)")
+    if route == "custom_op":
+        request.getfixturevalue("via_ops")
+    _, fn, make, grad_idx, _ = CASES[name]
+    f = fn
+    if route == "compile":
+        torch._dynamo.reset()
+        f = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    triton_calls = _counting_bwd(monkeypatch, op, "triton")
+    cpu_calls = _counting_bwd(monkeypatch, op, "cpu") if backends.implementations(op, "cpu") else []
+    leaves = [t.detach().clone().requires_grad_(i in grad_idx) for i, t in enumerate(make(2, 17))]
+    with ff.use_backend("triton"):
+        out = f(*leaves)
+    out.sum().backward()
+    assert triton_calls and not cpu_calls, (len(triton_calls), len(cpu_calls))
+    d = ff.last_dispatch()
+    assert d.backend == "triton" and d.forced
+    torch.testing.assert_close(out.detach(), fn(*[t.detach() for t in leaves]), atol=1e-4,
+                               rtol=1e-4)

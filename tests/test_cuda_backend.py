@@ -24,6 +24,7 @@ from oracle import check, row_sum_tol
 
 import fastformer as ff
 from fastformer import _ext
+from fastformer.ops.attention import AttentionOptions
 from fastformer.reference import attention as ref
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,8 +105,9 @@ def eager_lowp_grads(q, k, v, dout, kpm, causal, scale):
 def check_attention(ours, q, k, v, dout, kpm, causal, scale):
     """ours = (out, lse or None, dq, dk, dv); oracle: the fp32 reference, torch_lowp: eager."""
     f32 = [t.float() for t in (q, k, v, dout)]
-    out32, lse32 = ref.attention_fwd(*f32[:3], None, kpm, causal, scale, 0.0, None)
-    grads32 = ref.attention_bwd(f32[3], *f32[:3], out32, lse32, None, kpm, causal, scale, 0.0, None)
+    o = AttentionOptions(causal=causal, scale=scale, key_padding_mask=kpm)
+    out32, lse32 = ref.attention_fwd(*f32[:3], o)
+    grads32 = ref.attention_bwd(f32[3], *f32[:3], out32, lse32, o)
     lowp = eager_lowp_grads(q, k, v, dout, kpm, causal, scale)
     out, lse, *grads = ours
     check("out", out, out32, lowp[0])
@@ -139,7 +141,8 @@ def test_attention_gpu(dtype, D, Lq, Lk, causal, pad, Hkv):
         out = ff.attention(*leaves, causal=CAUSAL[causal], key_padding_mask=kpm)
         assert ff.last_dispatch().backend == "cuda"
         grads = torch.autograd.grad(out, leaves, dout)
-    _, lse = _ext.C.attention_fwd(q, k, v, None, kpm, causal, scale, 0.0, 0, 0)
+    _, lse = _ext.C.cuda_attention_fwd(q, k, v, AttentionOptions(causal=causal, scale=scale,
+                                                                key_padding_mask=kpm))
     check_attention((out.detach(), lse, *grads), q, k, v, dout, kpm, causal, scale)
 
 
@@ -164,7 +167,8 @@ def test_attention_gpu_shapes(case):
     with ff.use_backend("cuda"):
         out = ff.attention(*leaves, causal=CAUSAL[causal], key_padding_mask=kpm)
         grads = torch.autograd.grad(out, leaves, dout)
-    _, lse = _ext.C.attention_fwd(q, k, v, None, kpm, causal, scale, 0.0, 0, 0)
+    _, lse = _ext.C.cuda_attention_fwd(q, k, v, AttentionOptions(causal=causal, scale=scale,
+                                                                key_padding_mask=kpm))
     check_attention((out.detach(), lse, *grads), q, k, v, dout, kpm, causal, scale)
 
 

@@ -80,7 +80,8 @@ def test_apply_rotary_gradcheck_fp64():
 def test_rotary_custom_op_opcheck_and_compile():
     x = torch.randn(2, 3, 5, 8, requires_grad=True)
     cos, sin = ff.RotaryEmbedding(8).tables(5)
-    torch.library.opcheck(rotary_ops.rotary_op, (x, cos, sin, False, False))
+    o = rotary_ops.RotaryOptions(cos=cos, sin=sin)
+    torch.library.opcheck(rotary_ops.ROTARY.fwd_op, rotary_ops.ROTARY.op_args((x,), o))
     torch._dynamo.reset()
     compiled = torch.compile(lambda t: ff.apply_rotary(t, cos, sin).square().sum(), fullgraph=True,
                              backend="aot_eager")

@@ -60,7 +60,7 @@ void attention_bwd_typed(const AttnArgs& a) {
   // One chunk: a task sees every key of its heads, so it writes their dQ itself from one
   // per-thread accumulator. Several: fp32 partials per chunk, summed after all tasks.
   const bool task_owns_dq = n_chunks == 1;
-  A* const dq_part = task_owns_dq ? nullptr : thread_scratch<A, 24>(n_chunks * sh.B * sh.H * dq_head);
+  A* const dq_part = task_owns_dq ? nullptr : thread_scratch<A, Scratch::kBwdDqPartials>(n_chunks * sh.B * sh.H * dq_head);
   if (!task_owns_dq) std::fill(dq_part, dq_part + n_chunks * sh.B * sh.H * dq_head, A(0));
   // dQ row i of head bh = scale * (the sum of `parts` partial rows part[c * part_stride], in order).
   const V dq_scale(static_cast<A>(a.scale));
@@ -90,8 +90,8 @@ void attention_bwd_typed(const AttnArgs& a) {
     const int64_t q_rows = sh.Lq + kRowSlack;
     constexpr int64_t MR = MicroShape<A>::kMR;
     const int64_t q_pk_block = kQBlockRows<A> * sh.D, do_pk_block = kQBlockRows<A> * sh.Dv;
-    A* const q_pk = amx ? nullptr : thread_scratch<A, 25>(sh.n_qb * q_pk_block);    // Q, MR-row panels (A operand)
-    A* const do_pk = amx ? nullptr : thread_scratch<A, 26>(sh.n_qb * do_pk_block);  // dO, MR-row panels
+    A* const q_pk = amx ? nullptr : thread_scratch<A, Scratch::kBwdQPanels>(sh.n_qb * q_pk_block);    // Q, MR-row panels (A operand)
+    A* const do_pk = amx ? nullptr : thread_scratch<A, Scratch::kBwdDoPanels>(sh.n_qb * do_pk_block);  // dO, MR-row panels
     // AMX operands (see the top of the function): Q and dO's bf16 rows (A of S and dP; zero rows
     // past Lq, qt_cols of them) and their transposes (A of dK^T and dV^T; zero columns past Lq,
     // a query block's 32-rounded range within qt_cols); P' and dS rounded to bf16 (rows of
@@ -104,35 +104,35 @@ void attention_bwd_typed(const AttnArgs& a) {
     uint32_t *p_pairs = nullptr, *ds_pairs = nullptr, *t_words = nullptr;
     A *dkt_acc = nullptr, *dvt_acc = nullptr;
     if (amx) {
-      q_bf16 = thread_scratch<c10::BFloat16, 37>(qt_cols * sh.D_amx);
-      do_bf16 = thread_scratch<c10::BFloat16, 39>(qt_cols * sh.Dv_amx);
-      qt_bf16 = thread_scratch<c10::BFloat16, 51>(sh.D_amx * qt_cols);
-      dot_bf16 = thread_scratch<c10::BFloat16, 52>(sh.Dv_amx * qt_cols);
-      t_words = thread_scratch<uint32_t, 53>(qt_cols * std::max(sh.D_amx, sh.Dv_amx) / 2);
-      p_bf16 = thread_scratch<c10::BFloat16, 21>(kQBlockRows32 * kBlockK);
-      ds_bf16 = thread_scratch<c10::BFloat16, 22>(kQBlockRows32 * kBlockK);
-      p_pairs = thread_scratch<uint32_t, 54>(kQBlockRows32 * kBlockK / 2);
-      ds_pairs = thread_scratch<uint32_t, 55>(kQBlockRows32 * kBlockK / 2);
-      dkt_acc = thread_scratch<A, 56>(sh.D_amx * keys_ld);
-      dvt_acc = thread_scratch<A, 57>(sh.Dv_amx * keys_ld);
+      q_bf16 = thread_scratch<c10::BFloat16, Scratch::kBwdQBf16>(qt_cols * sh.D_amx);
+      do_bf16 = thread_scratch<c10::BFloat16, Scratch::kBwdDoBf16>(qt_cols * sh.Dv_amx);
+      qt_bf16 = thread_scratch<c10::BFloat16, Scratch::kBwdQtBf16>(sh.D_amx * qt_cols);
+      dot_bf16 = thread_scratch<c10::BFloat16, Scratch::kBwdDotBf16>(sh.Dv_amx * qt_cols);
+      t_words = thread_scratch<uint32_t, Scratch::kBwdTransposeWords>(qt_cols * std::max(sh.D_amx, sh.Dv_amx) / 2);
+      p_bf16 = thread_scratch<c10::BFloat16, Scratch::kBwdPBf16>(kQBlockRows32 * kBlockK);
+      ds_bf16 = thread_scratch<c10::BFloat16, Scratch::kBwdDsBf16>(kQBlockRows32 * kBlockK);
+      p_pairs = thread_scratch<uint32_t, Scratch::kBwdPPairs>(kQBlockRows32 * kBlockK / 2);
+      ds_pairs = thread_scratch<uint32_t, Scratch::kBwdDsPairs>(kQBlockRows32 * kBlockK / 2);
+      dkt_acc = thread_scratch<A, Scratch::kBwdDktAcc>(sh.D_amx * keys_ld);
+      dvt_acc = thread_scratch<A, Scratch::kBwdDvtAcc>(sh.Dv_amx * keys_ld);
       std::fill(dkt_acc, dkt_acc + sh.D_amx * keys_ld, A(0));
       std::fill(dvt_acc, dvt_acc + sh.Dv_amx * keys_ld, A(0));
       std::fill(q_bf16 + q_rows * sh.D_amx, q_bf16 + qt_cols * sh.D_amx, c10::BFloat16(0.0f));
       std::fill(do_bf16 + q_rows * sh.Dv_amx, do_bf16 + qt_cols * sh.Dv_amx, c10::BFloat16(0.0f));
     }
     static_assert(kBlockQ % MR == 0 && MR <= kRowSlack, "query blocks are whole panels, the last one within the slack rows");
-    A* const q_stage = thread_scratch<A, 35>(MR * sh.D_pad);    // one MR-row panel's rows
-    A* const do_stage = thread_scratch<A, 36>(MR * sh.Dv_pad);
-    A* const q_p = amx ? nullptr : thread_scratch<A, 33>(q_rows * sh.D_pad);    // Q, column panels (B operand)
-    A* const do_p = amx ? nullptr : thread_scratch<A, 34>(q_rows * sh.Dv_pad);  // dO, column panels
-    A* const dk_acc = thread_scratch<A, 27>((n_chunk_keys + kRowSlack) * sh.D_pad);
-    A* const dv_acc = thread_scratch<A, 28>((n_chunk_keys + kRowSlack) * sh.Dv_pad);
-    A* const p_tile = thread_scratch<A, 29>((kBlockQ + kRowSlack) * s_ld);
-    A* const ds_tile = thread_scratch<A, 30>((kBlockQ + kRowSlack) * s_ld);
-    A* const pd_tile = threshold ? thread_scratch<A, 31>((kBlockQ + kRowSlack) * s_ld) : p_tile;
-    A* const bias = thread_scratch<A, 32>(sh.Bk_pad);
-    A* const delta_h = thread_scratch<A, 23>(sh.Lq);  // delta of the current head
-    A* const dq_own = task_owns_dq ? thread_scratch<A, 38>(dq_head) : nullptr;
+    A* const q_stage = thread_scratch<A, Scratch::kBwdQStage>(MR * sh.D_pad);    // one MR-row panel's rows
+    A* const do_stage = thread_scratch<A, Scratch::kBwdDoStage>(MR * sh.Dv_pad);
+    A* const q_p = amx ? nullptr : thread_scratch<A, Scratch::kBwdQCols>(q_rows * sh.D_pad);    // Q, column panels (B operand)
+    A* const do_p = amx ? nullptr : thread_scratch<A, Scratch::kBwdDoCols>(q_rows * sh.Dv_pad);  // dO, column panels
+    A* const dk_acc = thread_scratch<A, Scratch::kBwdDkAcc>((n_chunk_keys + kRowSlack) * sh.D_pad);
+    A* const dv_acc = thread_scratch<A, Scratch::kBwdDvAcc>((n_chunk_keys + kRowSlack) * sh.Dv_pad);
+    A* const p_tile = thread_scratch<A, Scratch::kBwdP>((kBlockQ + kRowSlack) * s_ld);
+    A* const ds_tile = thread_scratch<A, Scratch::kBwdDs>((kBlockQ + kRowSlack) * s_ld);
+    A* const pd_tile = threshold ? thread_scratch<A, Scratch::kBwdPDropped>((kBlockQ + kRowSlack) * s_ld) : p_tile;
+    A* const bias = thread_scratch<A, Scratch::kBwdBias>(sh.Bk_pad);
+    A* const delta_h = thread_scratch<A, Scratch::kBwdDelta>(sh.Lq);  // delta of the current head
+    A* const dq_own = task_owns_dq ? thread_scratch<A, Scratch::kBwdDqOwn>(dq_head) : nullptr;
     // This task's key blocks, packed into its thread's buffers (see Packed); read-only below.
     Packed<A> packing(sh, 1, kb1 - kb0, /*backward=*/true, amx);
     for (int64_t kb = kb0; kb < kb1; ++kb) pack_kv_block<T, A>(a, sh, packing, b, hkv, kb, 0, kb - kb0);

@@ -148,27 +148,27 @@ struct Packed {
       : blocks(blocks_per_head) {
     if (amx) {
       kw_block_size = sh.Bk_pad * sh.D_amx / 2;
-      kw = thread_scratch<uint32_t, 46>(heads * blocks * kw_block_size);
+      kw = thread_scratch<uint32_t, Scratch::kPackKw>(heads * blocks * kw_block_size);
     } else {
       kt_block_size = sh.Bk_pad * sh.D;
-      kt = thread_scratch<A, 40>(heads * blocks * kt_block_size);
+      kt = thread_scratch<A, Scratch::kPackKt>(heads * blocks * kt_block_size);
     }
     if (backward && amx) {
       vw_block_size = sh.Bk_pad * sh.Dv_amx / 2;
-      vw = thread_scratch<uint32_t, 47>(heads * blocks * vw_block_size);
+      vw = thread_scratch<uint32_t, Scratch::kPackVw>(heads * blocks * vw_block_size);
       kpw_block_size = sh.Bk_pad * sh.D_amx / 2;
-      kpw = thread_scratch<uint32_t, 50>(heads * blocks * kpw_block_size);
+      kpw = thread_scratch<uint32_t, Scratch::kPackKpw>(heads * blocks * kpw_block_size);
     } else if (backward) {
       kp_block_size = sh.Bk_pad * sh.D_pad;
-      kp = thread_scratch<A, 42>(heads * blocks * kp_block_size);
+      kp = thread_scratch<A, Scratch::kPackKp>(heads * blocks * kp_block_size);
       vt_block_size = sh.Bk_pad * sh.Dv;
-      vt = thread_scratch<A, 41>(heads * blocks * vt_block_size);
+      vt = thread_scratch<A, Scratch::kPackVt>(heads * blocks * vt_block_size);
     } else if (amx) {
       vpw_block_size = sh.Bk_pad * sh.Dv_amx / 2;
-      vpw = thread_scratch<uint32_t, 49>(heads * blocks * vpw_block_size);
+      vpw = thread_scratch<uint32_t, Scratch::kPackVpw>(heads * blocks * vpw_block_size);
     } else {
       vp_block_size = sh.Bk_pad * sh.Dv_pad;
-      vp = thread_scratch<A, 43>(heads * blocks * vp_block_size);
+      vp = thread_scratch<A, Scratch::kPackVp>(heads * blocks * vp_block_size);
     }
   }
   // B operands of block `blk` of head `bh` (vp, kp: panel stride Bk_pad * NR): read-only
@@ -313,8 +313,8 @@ inline void put_rows_transposed_panels(const A* rows, int64_t ld, int64_t n_rows
 template <typename T, typename A>
 void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t b, int64_t h,
                    int64_t kb, int64_t dst_head, int64_t blk) {
-  A* const k_rows = thread_scratch<A, 44>(sh.Bk_pad * sh.D_pad);
-  A* const v_rows = thread_scratch<A, 45>(sh.Bk_pad * sh.Dv_pad);
+  A* const k_rows = thread_scratch<A, Scratch::kPackKRows>(sh.Bk_pad * sh.D_pad);
+  A* const v_rows = thread_scratch<A, Scratch::kPackVRows>(sh.Bk_pad * sh.Dv_pad);
   const bool k_fp32 = pk.kt || pk.kp, v_fp32 = pk.vt || pk.vp;
   // Only the block's score columns (Shape::block_cols): the panels of a short last block past
   // them are never read (its tile GEMMs stop there), so they are not written either.
@@ -333,7 +333,7 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     // AMX pair words from the bf16 rows themselves (zero rows past the block's keys).
     auto stage = [&](const View4& view, int64_t n, int64_t n_amx) {
-      c10::BFloat16* const rows = thread_scratch<c10::BFloat16, 48>(cols * n_amx);
+      c10::BFloat16* const rows = thread_scratch<c10::BFloat16, Scratch::kPackBf16Rows>(cols * n_amx);
       stage_bf16_rows(view, b, h, k0, n_keys, cols, n, n_amx, rows);
       return rows;
     };

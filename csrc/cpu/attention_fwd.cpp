@@ -73,18 +73,18 @@ void attention_fwd_typed(const AttnArgs& a) {
   auto query_block = [&](const Packed<A>& pk, int64_t bh_kv, int64_t b, int64_t h, int64_t qb) {
     const int64_t q0 = qb * kBlockQ, n_q = std::min(kBlockQ, sh.Lq - q0);
     constexpr int64_t MR = MicroShape<A>::kMR;
-    A* const q_rows = amx ? nullptr : thread_scratch<A, 12>(MR * sh.D_pad);  // one panel's rows, staged
-    A* const q_packed = amx ? nullptr : thread_scratch<A, 18>(kQBlockRows<A> * sh.D);  // MR-row panels
+    A* const q_rows = amx ? nullptr : thread_scratch<A, Scratch::kFwdQStage>(MR * sh.D_pad);  // one panel's rows, staged
+    A* const q_packed = amx ? nullptr : thread_scratch<A, Scratch::kFwdQPanels>(kQBlockRows<A> * sh.D);  // MR-row panels
     // AMX: the block's bf16 rows, zero rows up to a multiple of 16.
-    c10::BFloat16* const q_bf16 = amx ? thread_scratch<c10::BFloat16, 19>((kBlockQ + 16) * sh.D_amx) : nullptr;
+    c10::BFloat16* const q_bf16 = amx ? thread_scratch<c10::BFloat16, Scratch::kFwdQBf16>((kBlockQ + 16) * sh.D_amx) : nullptr;
     // AMX: P rounded to bf16, rows of kBlockK, zero rows up to a multiple of 16.
-    c10::BFloat16* const p_bf16 = amx ? thread_scratch<c10::BFloat16, 20>(kBlockQ * kBlockK) : nullptr;
+    c10::BFloat16* const p_bf16 = amx ? thread_scratch<c10::BFloat16, Scratch::kFwdPBf16>(kBlockQ * kBlockK) : nullptr;
     static_assert(kBlockQ % 16 == 0, "AMX tiles of P and acc stay within the block's rows");
-    A* const s_tile = thread_scratch<A, 13>((kBlockQ + kRowSlack) * s_ld);
-    A* const acc = thread_scratch<A, 14>(kBlockQ * sh.Dv_pad);
-    A* const bias = thread_scratch<A, 15>(sh.Bk_pad);
-    A* const row_max = thread_scratch<A, 16>(kBlockQ);
-    A* const row_sum = thread_scratch<A, 17>(kBlockQ);
+    A* const s_tile = thread_scratch<A, Scratch::kFwdScores>((kBlockQ + kRowSlack) * s_ld);
+    A* const acc = thread_scratch<A, Scratch::kFwdAcc>(kBlockQ * sh.Dv_pad);
+    A* const bias = thread_scratch<A, Scratch::kFwdBias>(sh.Bk_pad);
+    A* const row_max = thread_scratch<A, Scratch::kFwdRowMax>(kBlockQ);
+    A* const row_sum = thread_scratch<A, Scratch::kFwdRowSum>(kBlockQ);
 
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (amx) {

@@ -197,7 +197,7 @@ struct GatedSource {
 // Row buffer of one thread: the longest segment a packer loads, plus vector slack.
 template <typename A>
 inline A* segment_buffer() {
-  return thread_scratch<A, 63>(std::max(Blk<A>::kNC, Blk<A>::kKC) + 2 * Blk<A>::kNR);
+  return thread_scratch<A, Scratch::kFfnSegment>(std::max(Blk<A>::kNC, Blk<A>::kKC) + 2 * Blk<A>::kNR);
 }
 
 // op(A)[i][k] = S(i, k).
@@ -261,7 +261,7 @@ void pack_b_cols(const Src& src, const RowOf& source_row, A* dst, int64_t k0, in
   constexpr int64_t NR = Blk<A>::kNR, kT = 8;
   static_assert(NR % kT == 0, "panels are whole 8 x 8 blocks wide");
   const int64_t ld_stage = round_up_to(kc, kT) + Blk<A>::kNR;  // + the vector tail of load()
-  A* const stage = thread_scratch<A, 67>(NR * (Blk<A>::kKC + 2 * Blk<A>::kNR));
+  A* const stage = thread_scratch<A, Scratch::kFfnStage>(NR * (Blk<A>::kKC + 2 * Blk<A>::kNR));
   const int64_t width = round_up_to(n, NR);
   for (int64_t q = 0; q * NR < width; ++q) {
     for (int64_t c = 0; c < NR; ++c) {
@@ -307,12 +307,11 @@ inline void store_lanes(T* p, const V& v, int64_t cols) {
 }
 
 // Parameter vector (bias) in the accumulation type, zero padded to a whole number of NR panels.
-template <typename T>
-acc_t<T>* padded_param(const void* src, int64_t n, int slot_index) {
+template <typename T, Scratch kSlot>
+acc_t<T>* padded_param(const void* src, int64_t n) {
   using A = acc_t<T>;
   const int64_t padded = round_up_to(n, Blk<A>::kNR) + Blk<A>::kNR;
-  A* buf = slot_index == 0 ? thread_scratch<A, 64>(padded)
-                           : slot_index == 1 ? thread_scratch<A, 65>(padded) : thread_scratch<A, 66>(padded);
+  A* buf = thread_scratch<A, kSlot>(padded);
   std::fill(buf, buf + padded, A(0));
   if (src != nullptr) {
     const T* s = static_cast<const T*>(src);
@@ -511,8 +510,8 @@ void ffn_fwd_typed(const FfnArgs& a) {
   const int64_t N = a.tokens, D = a.d_model, F = a.hidden;
   const PlainSource<T> x_src{a.x, {}};
   T* const hidden = static_cast<T*>(a.hidden_buf);
-  const A* b1 = a.b1 ? padded_param<T>(a.b1, F, 0) : nullptr;
-  const A* b2 = a.b2 ? padded_param<T>(a.b2, D, 1) : nullptr;
+  const A* b1 = a.b1 ? padded_param<T, Scratch::kFfnBias1>(a.b1, F) : nullptr;
+  const A* b2 = a.b2 ? padded_param<T, Scratch::kFfnBias2>(a.b2, D) : nullptr;
   auto pack_x = [&](A* dst, int64_t i0, int64_t m, int64_t k0, int64_t kc) {
     pack_a_rows(x_src, dst, i0, m, k0, kc);
   };
@@ -520,8 +519,8 @@ void ffn_fwd_typed(const FfnArgs& a) {
   // GEMM1: pre (or h) = x W1^T + b1
   if (a.gated) {
     const PlainSource<T> w_src{a.w1, a.w_up, F};
-    const A* b_up = padded_param<T>(a.b_up, F, 2);
-    const A* b_gate = b1 ? b1 : padded_param<T>(nullptr, F, 0);
+    const A* b_up = padded_param<T, Scratch::kFfnBiasUp>(a.b_up, F);
+    const A* b_gate = b1 ? b1 : padded_param<T, Scratch::kFfnBias1>(nullptr, F);
     const InterleavedGateUp<A> cols{F};
     const GatedEpilogue<T> epi{hidden, F, b_gate, b_up, a.store_preactivation, act};
     gemm_packed<A>(N, 2 * round_up_to(F, Blk<A>::kNR / 2), D, kPlainCost, kPlainCost, pack_x,

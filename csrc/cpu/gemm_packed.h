@@ -31,9 +31,9 @@
 // The workspace is stored tile by tile (each MR x NR partial sum 384 contiguous bytes, the
 // tiles of one B micro-panel consecutive), not as an MG x NC matrix: a row-major tile's 6 rows
 // lay 8 KB apart, 6 pages per micro-kernel call, and the fused SwiGLU forward+backward at
-// (2048, 4096, 11008) ran 1.07x slower with it (side by side, 2 threads). Its 16 MB (was 8)
-// hold 2048 rows of a 2048-column block, so at 2048 tokens B is packed once per thread, not
-// twice (1.04x more).
+// (2048, 4096, 11008) ran 1.07x slower with it (side by side, 2 threads). Its 16 MB hold 2048
+// rows of a 2048-column block, so at 2048 tokens B is packed once per thread; with 8 MB it is
+// packed twice (1.04x slower).
 // Traffic: B is packed ceil(M_rect / MG) times, A ceil(N_rect / NC) times (each a few percent
 // of the flops at the FFN's shapes); C is written once, by the epilogue.
 //
@@ -43,8 +43,8 @@
 // splitting M all of B: the split is chosen from the callers' per-element packing costs (an
 // operand computed with an activation costs ~5x a plain one). Below ~4 MFLOP one thread runs it.
 //
-// Measured on the 2-core Zen 3 (AVX2) of README.md, fp32, (4096 x 3072) = (4096 x 768) x (768 x
-// 3072), 2 threads: see the numbers in ffn.cpp's header.
+// Measured on the 2-core Zen 3 (AVX2) of benchmarks/RESULTS.md, fp32, (4096 x 3072) =
+// (4096 x 768) x (768 x 3072), 2 threads: see the numbers in ffn.cpp's header.
 #pragma once
 #include <ATen/Parallel.h>
 
@@ -127,9 +127,9 @@ void gemm_rect(int64_t m0, int64_t m1, int64_t n0, int64_t n1, int64_t K, const 
   const int64_t mg_budget = Blk::kWorkspaceBytes / static_cast<int64_t>(sizeof(A)) / nc_max;
   const int64_t rows_all = round_up_to(m1 - m0, MC);
   const int64_t mg_max = K > KC ? std::clamp<int64_t>(mg_budget / MC * MC, MC, rows_all) : rows_all;
-  A* const a_pack = thread_scratch<A, 60>(MC * KC);
-  A* const b_pack = thread_scratch<A, 61>(KC * nc_max);
-  A* const ws = K > KC ? thread_scratch<A, 62>(mg_max * nc_max) : nullptr;
+  A* const a_pack = thread_scratch<A, Scratch::kGemmAPack>(MC * KC);
+  A* const b_pack = thread_scratch<A, Scratch::kGemmBPack>(KC * nc_max);
+  A* const ws = K > KC ? thread_scratch<A, Scratch::kGemmWorkspace>(mg_max * nc_max) : nullptr;
   alignas(64) A tile[MR * NR];
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);

@@ -138,7 +138,7 @@ struct FwdRow {
   static void run(const NormFwdArgs& a, const A* w, const A* b, bool stream_y, int64_t begin,
                   int64_t end) {
     const int64_t H = a.hidden;
-    A* const z = thread_scratch<A, 0>(round_up(H, kV));
+    A* const z = thread_scratch<A, Scratch::kNormRows>(round_up(H, kV));
     const T* const x = static_cast<const T*>(a.x);
     const T* const res = static_cast<const T*>(a.residual);
     T* const y = static_cast<T*>(a.y);
@@ -188,8 +188,8 @@ void add_norm_fwd_typed(const NormFwdArgs& a) {
   constexpr int64_t kV = Vectorized<A>::size();
   const int64_t H = a.hidden;
   const int64_t H_pad = round_up(H, kV);
-  A* const w = thread_scratch<A, 1>(H_pad);
-  A* const b = thread_scratch<A, 2>(H_pad);
+  A* const w = thread_scratch<A, Scratch::kNormWeight>(H_pad);
+  A* const b = thread_scratch<A, Scratch::kNormBias>(H_pad);
   std::fill(w + H, w + H_pad, A(0));
   std::fill(b + H, b + H_pad, A(0));
   load_param(a.weight, a.param_dtype, H, w, A(1));
@@ -295,8 +295,8 @@ struct BwdBlock {
                   double* dw_part, double* db_part, int64_t blk_begin, int64_t blk_end) {
     const int64_t H_pad = round_up(a.hidden, kV);
     const bool stream_dz = a.rows * a.hidden * static_cast<int64_t>(sizeof(T)) >= kStreamBytes;
-    A* const x_hat = thread_scratch<A, 0>(group * H_pad);
-    A* const dy_rows = thread_scratch<A, 3>(group * H_pad);
+    A* const x_hat = thread_scratch<A, Scratch::kNormRows>(group * H_pad);
+    A* const dy_rows = thread_scratch<A, Scratch::kNormDyRows>(group * H_pad);
     for (int64_t blk = blk_begin; blk < blk_end; ++blk) {
       double* dw_acc = dw_part ? dw_part + blk * H_pad : nullptr;
       double* db_acc = db_part ? db_part + blk * H_pad : nullptr;
@@ -351,15 +351,15 @@ void add_norm_bwd_typed(const NormBwdArgs& a) {
   const int64_t H = a.hidden;
   const int64_t H_pad = round_up(H, kV);
   const bool need_dw = a.dweight != nullptr, need_db = a.dbias != nullptr;
-  A* const w = thread_scratch<A, 1>(H_pad);
+  A* const w = thread_scratch<A, Scratch::kNormWeight>(H_pad);
   std::fill(w + H, w + H_pad, A(0));
   load_param(a.weight, a.param_dtype, H, w, A(1));
 
   const int64_t n_blocks_max = std::min<int64_t>(std::max<int64_t>(a.rows, 1), kMaxPartials);
   const int64_t rows_per_block = (a.rows + n_blocks_max - 1) / n_blocks_max;
   const int64_t n_blocks = a.rows == 0 ? 0 : (a.rows + rows_per_block - 1) / rows_per_block;
-  double* const dw_part = need_dw ? thread_scratch<double, 4>(n_blocks * H_pad) : nullptr;
-  double* const db_part = need_db ? thread_scratch<double, 5>(n_blocks * H_pad) : nullptr;
+  double* const dw_part = need_dw ? thread_scratch<double, Scratch::kNormDweightParts>(n_blocks * H_pad) : nullptr;
+  double* const db_part = need_db ? thread_scratch<double, Scratch::kNormDbiasParts>(n_blocks * H_pad) : nullptr;
   // Rows of a block go in groups whose dy and x_hat stay in scratch: dw/db then cost one fp32
   // column sum and one fp64 add per group instead of one fp64 add per row.
   const int64_t group = std::clamp<int64_t>(kGroupElements / H_pad, 1, kMaxGroupRows);
@@ -374,7 +374,7 @@ void add_norm_bwd_typed(const NormBwdArgs& a) {
 
   // Ordered reduction of the block partials, parallel over columns.
   auto reduce_partials = [&](const double* part, void* out) {
-    double* const total = thread_scratch<double, 6>(H_pad);
+    double* const total = thread_scratch<double, Scratch::kNormColumnTotals>(H_pad);
     std::fill(total, total + H_pad, 0.0);
     at::parallel_for(0, H_pad, 1024, [&](int64_t c0, int64_t c1) {
       for (int64_t blk = 0; blk < n_blocks; ++blk) {

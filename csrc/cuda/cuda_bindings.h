@@ -1,15 +1,17 @@
 // Torch-side glue for the CUDA launchers, included by csrc/bindings.cpp only when built with
-// CUDA (FASTFORMER_WITH_CUDA). Allocates outputs, reads strides, passes the current stream.
-// The Python layer guarantees the preconditions checked here (uniform row strides, dtypes).
+// CUDA (FASTFORMER_WITH_CUDA): the _C.cuda_* functions. Allocates outputs, reads strides,
+// passes the current stream. CUDA tensors only (csrc/cpu/cpu_bindings.h is the CPU twin).
+// The Python layer guarantees the preconditions checked here (uniform row strides, dtypes, the
+// options the Impls in fastformer/ops/*.py declare).
 //
-// Entry points (namespace fastformer::cuda):
-//   add_norm_fwd / add_norm_bwd                                  see csrc/bindings.cpp
-//   attention_fwd(q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p, seed, offset)
+// Entry points (namespace fastformer::cuda_bindings):
+//   add_norm_fwd(x, residual, weight, bias, NormOptions) / add_norm_bwd   as the CPU ones
+//   attention_fwd(q, k, v, AttentionOptions)
 //       -> {out (B, H, Lq, D) stored as (B, Lq, H, D), lse (B, H, Lq) fp32}
-//   attention_bwd(dout, q, k, v, out, lse, attn_mask, key_padding_mask, causal, scale,
-//                 dropout_p, seed, offset) -> {dq, dk, dv} (empty_like(q), (k), (v))
-//       fp16/bf16, head dim 64 or 128, no attn_mask, no dropout (backends.py sends those to
-//       triton); q, k, v, dout, out: 4-D, last dim contiguous, any other strides.
+//   attention_bwd(dout, q, k, v, out, lse, AttentionOptions) -> {dq, dk, dv}
+//       fp16/bf16, head dim 64 or 128, causal (both alignments) and key_padding_mask only
+//       (the Impl declares no other option); q, k, v, dout, out: 4-D, last dim contiguous,
+//       any other strides.
 //   ffn_bias_act_fwd(x, bias, activation) -> y = act(x + bias)
 //   ffn_bias_act_bwd(dy, x, bias, activation, need_dbias) -> {dx, dbias}
 //       dx = dy * act'(x + bias); dbias = dx summed over rows (bias's dtype, x's if no bias),
@@ -27,13 +29,18 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cmath>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "cuda/cuda_kernels.h"
+#include "options.h"
 
-namespace fastformer::cuda {
+namespace fastformer::cuda_bindings {
+
+using namespace fastformer::cuda;  // the launchers' parameter structs and helpers
+
 
 inline DType cuda_dtype(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -67,8 +74,9 @@ inline void check_launch(cudaError_t err, const char* what) {
 
 inline std::vector<at::Tensor> add_norm_fwd(const at::Tensor& x, const c10::optional<at::Tensor>& residual,
                                             const c10::optional<at::Tensor>& weight,
-                                            const c10::optional<at::Tensor>& bias, double eps,
-                                            bool rms, bool return_residual) {
+                                            const c10::optional<at::Tensor>& bias,
+                                            const NormOptions& o) {
+  const bool rms = o.rms, return_residual = o.return_residual;
   c10::cuda::CUDAGuard guard(x.device());
   const int64_t hidden = x.size(-1);
   const int64_t rows = hidden == 0 ? 0 : x.numel() / hidden;
@@ -83,7 +91,7 @@ inline std::vector<at::Tensor> add_norm_fwd(const at::Tensor& x, const c10::opti
   p.param_dtype = weight.has_value() ? cuda_dtype(*weight) : (bias.has_value() ? cuda_dtype(*bias) : p.dtype);
   p.rows = rows;
   p.hidden = hidden;
-  p.eps = static_cast<float>(eps);
+  p.eps = static_cast<float>(o.eps);
   p.rms = rms;
   p.x = x.data_ptr();
   p.x_row_stride = uniform_row_stride(x);
@@ -177,18 +185,21 @@ inline HeadsOut heads_out(const at::Tensor& t) {
   return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
 }
 
-inline AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                      const c10::optional<at::Tensor>& attn_mask,
-                                      const c10::optional<at::Tensor>& key_padding_mask,
-                                      int64_t causal, double scale, double dropout_p) {
-  TORCH_CHECK(!(attn_mask.has_value() && attn_mask->defined()),
-              "fastformer CUDA attention: attn_mask is not supported (backends.py sends it to "
-              "triton)");
-  TORCH_CHECK(dropout_p == 0.0, "fastformer CUDA attention: dropout is not supported");
-  TORCH_CHECK(causal >= 0 && causal <= 2, "fastformer CUDA attention: causal must be 0, 1 or 2");
+// q, k, v aligned for the kernels and the call's shape (sizes, scale, causal, key padding).
+struct AttentionCall {
+  at::Tensor q, k, v;
+  AttentionShape shape;
+};
+
+inline AttentionCall attention_call(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const AttentionOptions& o) {
+  TORCH_CHECK(!present(o.attn_mask), "fastformer CUDA attention: attn_mask is not supported");
+  TORCH_CHECK(o.dropout_p == 0.0, "fastformer CUDA attention: dropout is not supported");
+  TORCH_CHECK(o.causal >= 0 && o.causal <= 2, "fastformer CUDA attention: causal must be 0, 1 or 2");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "fastformer CUDA attention: q, k, v must share a dtype");
-  AttentionShape s;
+  AttentionCall c{attention_aligned(q), attention_aligned(k), attention_aligned(v), {}};
+  AttentionShape& s = c.shape;
   s.dtype = cuda_dtype(q);
   s.head_dim = static_cast<int>(q.size(3));
   TORCH_CHECK(attention_supported(s.dtype, s.head_dim),
@@ -207,38 +218,32 @@ inline AttentionShape attention_shape(const at::Tensor& q, const at::Tensor& k, 
               "fastformer CUDA attention: sequence too long");
   s.len_q = static_cast<int>(q.size(2));
   s.len_k = static_cast<int>(k.size(2));
-  s.scale = static_cast<float>(scale);
-  s.causal = static_cast<int>(causal);
-  if (key_padding_mask.has_value() && key_padding_mask->defined()) {
-    const at::Tensor& m = *key_padding_mask;
-    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 2 && m.size(0) == s.batch &&
-                    m.size(1) == s.len_k && m.device() == q.device(),
+  s.scale = static_cast<float>(o.scale.value_or(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
+  s.causal = static_cast<int>(o.causal);
+  if (const at::Tensor* m = present(o.key_padding_mask)) {
+    TORCH_CHECK(m->scalar_type() == at::kBool && m->dim() == 2 && m->size(0) == s.batch &&
+                    m->size(1) == s.len_k && m->device() == q.device(),
                 "fastformer CUDA attention: key_padding_mask must be bool (B, Lk) on q's device");
-    s.key_padding = reinterpret_cast<const uint8_t*>(m.data_ptr<bool>());
-    s.key_padding_batch_stride = m.stride(0);
-    s.key_padding_key_stride = m.stride(1);
+    s.key_padding = reinterpret_cast<const uint8_t*>(m->data_ptr<bool>());
+    s.key_padding_batch_stride = m->stride(0);
+    s.key_padding_key_stride = m->stride(1);
   }
-  return s;
+  return c;
 }
 
 inline std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tensor& k,
-                                             const at::Tensor& v,
-                                             const c10::optional<at::Tensor>& attn_mask,
-                                             const c10::optional<at::Tensor>& key_padding_mask,
-                                             int64_t causal, double scale, double dropout_p,
-                                             int64_t seed, int64_t offset) {
-  (void)seed, (void)offset;  // dropout only
+                                             const at::Tensor& v, const AttentionOptions& o) {
   c10::cuda::CUDAGuard guard(q.device());
-  const at::Tensor qa = attention_aligned(q), ka = attention_aligned(k), va = attention_aligned(v);
+  const AttentionCall c = attention_call(q, k, v, o);
+  const AttentionShape& s = c.shape;
   AttentionFwdParams p;
-  p.shape = attention_shape(qa, ka, va, attn_mask, key_padding_mask, causal, scale, dropout_p);
-  const AttentionShape& s = p.shape;
+  p.shape = s;
   // (B, H, Lq, D) stored as (B, Lq, H, D): the head merge that follows is a free reshape
   at::Tensor out = at::empty({s.batch, s.len_q, s.heads, s.head_dim}, q.options()).transpose(1, 2);
   at::Tensor lse = at::empty({s.batch, s.heads, s.len_q}, q.options().dtype(at::kFloat));
-  p.q = heads_in(qa);
-  p.k = heads_in(ka);
-  p.v = heads_in(va);
+  p.q = heads_in(c.q);
+  p.k = heads_in(c.k);
+  p.v = heads_in(c.v);
   p.out = heads_out(out);
   p.lse = lse.data_ptr<float>();
   check_launch(cuda::attention_fwd(p, current_stream()), "attention_fwd");
@@ -248,16 +253,12 @@ inline std::vector<at::Tensor> attention_fwd(const at::Tensor& q, const at::Tens
 inline std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::Tensor& q,
                                              const at::Tensor& k, const at::Tensor& v,
                                              const at::Tensor& out, const at::Tensor& lse,
-                                             const c10::optional<at::Tensor>& attn_mask,
-                                             const c10::optional<at::Tensor>& key_padding_mask,
-                                             int64_t causal, double scale, double dropout_p,
-                                             int64_t seed, int64_t offset) {
-  (void)seed, (void)offset;  // dropout only
+                                             const AttentionOptions& o) {
   c10::cuda::CUDAGuard guard(q.device());
-  const at::Tensor qa = attention_aligned(q), ka = attention_aligned(k), va = attention_aligned(v);
+  const AttentionCall c = attention_call(q, k, v, o);
+  const AttentionShape& s = c.shape;
   AttentionBwdParams p;
-  p.shape = attention_shape(qa, ka, va, attn_mask, key_padding_mask, causal, scale, dropout_p);
-  const AttentionShape& s = p.shape;
+  p.shape = s;
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.numel() == s.batch * s.heads * s.len_q,
               "fastformer CUDA attention: lse must be the forward's fp32 (B, H, Lq)");
   TORCH_CHECK(dout.sizes() == q.sizes() && out.sizes() == q.sizes() &&
@@ -269,9 +270,9 @@ inline std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::T
   auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dq_accum = at::empty({s.batch, s.heads, s.len_q, s.head_dim}, f32);
   at::Tensor delta = at::empty({s.batch, s.heads, s.len_q}, f32);
-  p.q = heads_in(qa);
-  p.k = heads_in(ka);
-  p.v = heads_in(va);
+  p.q = heads_in(c.q);
+  p.k = heads_in(c.k);
+  p.v = heads_in(c.v);
   p.out = heads_in(out_a);
   p.dout = heads_in(dout_a);
   p.lse = lse_c.data_ptr<float>();
@@ -411,4 +412,4 @@ inline std::vector<at::Tensor> ffn_gated_act_bwd(const at::Tensor& dh, const at:
   return {dgate, dup};
 }
 
-}  // namespace fastformer::cuda
+}  // namespace fastformer::cuda_bindings

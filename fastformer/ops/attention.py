@@ -1,11 +1,14 @@
-"""Scaled dot-product attention: ff.attention, custom ops, autograd, backend wiring.
+"""Scaled dot-product attention: ff.attention, its options, its op definition and backends.
 
 One call, top to bottom:
-  ff.attention / ff.scaled_dot_product_attention (ops/sdpa.py)        checks, mask plumbing
-    -> torch.ops.fastformer.attention_fwd (or the eager Function, see ops/_common.py)
-    -> backends.select(Call("attention", ...))
-    -> _C.attention_fwd (cpu: csrc/cpu/attention_*.cpp, cuda: csrc/cuda/attention*.cu)
-       | ops/attention_triton.py (triton_kernels/attention.py) | reference/attention.py
+  ff.attention / ff.scaled_dot_product_attention (ops/sdpa.py)      checks, AttentionOptions
+    -> ATTENTION((q, k, v), o)                                      ops/_opdef.py: eager
+       autograd.Function, or the custom ops fastformer::attention_fwd / _bwd when tracing
+    -> backends.select(Call)                                        the first Impl below
+       that takes the call
+    -> _C.attention_fwd (cpu: csrc/cpu/attention_*.cpp) | _C.cuda_attention_fwd
+       (csrc/cuda/attention*.cu) | ops/attention_triton.py (triton_kernels/attention.py)
+       | reference/attention.py
 
 Saved for the backward: q, k, v, the output and the per-row log-sum-exp (fp32); the backward
 recomputes the probabilities tile by tile. Masks are passed as views (an attn_mask broadcast to
@@ -21,12 +24,37 @@ import torch
 from torch import Tensor
 
 from .. import _checks, _ext, backends
+from ..backends import ALL_FLOAT, EVERY_OPTION, GPU_FLOAT, Impl
 from ..reference import attention as ref
 from ..reference.attention import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE, CAUSAL_TOP_LEFT
 from ..reference.rng import draw_rng_state, keep_mask
-from ._common import LazyLaunchers, needs_grad, via_custom_op
+from ._opdef import OpDef, Options, compiled, options, rowwise
 
 _CAUSAL_NAMES = {"top_left": CAUSAL_TOP_LEFT, "bottom_right": CAUSAL_BOTTOM_RIGHT}
+
+
+@options
+class AttentionOptions(Options):
+    """Every option of one attention call, validated (csrc/options.h mirrors the fields).
+
+    A backend's Impl lists the fields it honours; a call setting any other one is declined
+    with the field's name as the reason (and ``auto`` falls back).
+    """
+
+    causal: int = CAUSAL_NONE             # 0 none, 1 top-left (j <= i), 2 bottom-right
+    scale: Optional[float] = None         # None: 1 / sqrt(D)
+    dropout_p: float = 0.0                # on the probabilities, in [0, 1)
+    rng_state: Optional[Tensor] = None    # int64 CPU [seed, offset] of the dropout stream
+    attn_mask: Optional[Tensor] = None    # (B, H, Lq, Lk) view; bool True = attend, float added
+    key_padding_mask: Optional[Tensor] = None  # bool (B, Lk), True = padding
+
+    def scale_for(self, head_dim: int) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+# The options every kernel takes.
+_CORE = frozenset({"causal", "scale"})
+_MASKS_DROPOUT = frozenset({"dropout_p", "rng_state", "attn_mask", "key_padding_mask"})
 
 
 def causal_mode(fn: str, causal) -> int:
@@ -39,95 +67,20 @@ def causal_mode(fn: str, causal) -> int:
                      f"'top_left' or 'bottom_right'; got {causal!r}")
 
 
-# ---- dispatch -------------------------------------------------------------------------------
-def _features(q, k, v, attn_mask, key_padding_mask, causal, dropout_p) -> frozenset:
-    f = set()
-    if causal == CAUSAL_TOP_LEFT:
-        f.add("causal_top_left")
-    elif causal == CAUSAL_BOTTOM_RIGHT:
-        f.add("causal_bottom_right")
-    if key_padding_mask is not None:
-        f.add("key_padding_mask")
-    if attn_mask is not None:
-        f.add("attn_mask_bool" if attn_mask.dtype == torch.bool else "attn_mask_float")
-    if dropout_p > 0:
-        f.add("dropout")
+# ---- the op -----------------------------------------------------------------------------------
+def _call(inputs, o: AttentionOptions) -> backends.Call:
+    q, k, v = inputs
+    features = []
     if k.shape[1] != q.shape[1]:
-        f.add("gqa")
+        features.append("gqa")
     if v.shape[-1] != q.shape[-1]:
-        f.add("v_head_dim_differs")
-    if any(t.stride(-1) != 1 and t.shape[-1] > 1 for t in (q, k, v)):
-        f.add("last_dim_strided")
-    return frozenset(f)
+        features.append("v_head_dim_differs")
+    if any(t.stride(-1) != 1 and t.shape[-1] > 1 for t in inputs):
+        features.append("last_dim_strided")
+    return backends.Call("attention", q.device.type, q.dtype, o.set_fields(),
+                         frozenset(features), head_dim=q.shape[-1])
 
 
-def _call(q, k, v, attn_mask, key_padding_mask, causal, dropout_p) -> backends.Call:
-    return backends.Call("attention", q.device.type, q.dtype,
-                         _features(q, k, v, attn_mask, key_padding_mask, causal, dropout_p),
-                         head_dim=q.shape[-1])
-
-
-# ---- backend implementations ----------------------------------------------------------------
-def _seed_offset(rng_state: Optional[Tensor]):
-    if rng_state is None:
-        return 0, 0
-    seed, offset = rng_state.tolist()
-    return int(seed), int(offset)
-
-
-class _CompiledImpl:
-    """cpu and cuda: fastformer._C (it dispatches on the tensors' device)."""
-
-    @staticmethod
-    def fwd(q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p, rng_state):
-        seed, offset = _seed_offset(rng_state)
-        out, lse = _ext.C.attention_fwd(q, k, v, attn_mask, key_padding_mask, causal, scale,
-                                        dropout_p, seed, offset)
-        return out, lse
-
-    @staticmethod
-    def bwd(dout, q, k, v, out, lse, attn_mask, key_padding_mask, causal, scale, dropout_p,
-            rng_state):
-        seed, offset = _seed_offset(rng_state)
-        if dout.stride(-1) != 1:  # autograd may hand over an expanded grad (y.sum())
-            dout = dout.contiguous()
-        dq, dk, dv = _ext.C.attention_bwd(dout, q, k, v, out, lse, attn_mask, key_padding_mask,
-                                          causal, scale, dropout_p, seed, offset)
-        return dq, dk, dv
-
-
-_TritonImpl = LazyLaunchers(".attention_triton", "attention_fwd", "attention_bwd")
-
-
-class _ReferenceImpl:
-    fwd = staticmethod(ref.attention_fwd)
-    bwd = staticmethod(ref.attention_bwd)
-
-
-backends.register_impl("attention", "reference", _ReferenceImpl)
-
-
-def register_compiled_impls() -> None:
-    """cpu/cuda/triton implementations, registered once their kernels exist in this build."""
-    if _ext.C is not None and hasattr(_ext.C, "attention_fwd"):
-        backends.register_impl("attention", "cpu", _CompiledImpl)
-        if _ext.has_cuda_kernels():
-            backends.register_impl("attention", "cuda", _CompiledImpl)
-    import importlib.util
-    if importlib.util.find_spec("fastformer.ops.attention_triton") is not None:
-        backends.register_impl("attention", "triton", _TritonImpl)
-
-
-register_compiled_impls()
-
-
-def _fwd_impl(q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p, rng_state):
-    chosen = backends.select(_call(q, k, v, attn_mask, key_padding_mask, causal, dropout_p))
-    return chosen, chosen.impls["attention"].fwd(q, k, v, attn_mask, key_padding_mask, causal,
-                                                 scale, dropout_p, rng_state)
-
-
-# ---- custom ops (torch.compile / export route) ----------------------------------------------
 def _out_like(q: Tensor, v: Tensor) -> Tensor:
     """(B, H, Lq, Dv) stored as (B, Lq, H, Dv): the transpose + reshape to (B, Lq, H*Dv) that
     multi-head attention does next is then free."""
@@ -135,84 +88,93 @@ def _out_like(q: Tensor, v: Tensor) -> Tensor:
     return q.new_empty((B, Lq, H, v.shape[-1])).transpose(1, 2)
 
 
-@torch.library.custom_op("fastformer::attention_fwd", mutates_args=())
-def attention_fwd_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
-                     key_padding_mask: Optional[Tensor], causal: int, scale: float,
-                     dropout_p: float, rng_state: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    out, lse = _fwd_impl(q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p,
-                         rng_state)[1]
-    return out, lse
-
-
-@attention_fwd_op.register_fake
-def _(q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p, rng_state):
+def _fake_fwd(q, k, v, o):
     B, H, Lq, _ = q.shape
     return _out_like(q, v), q.new_empty((B, H, Lq), dtype=ref.acc_dtype(q.dtype))
 
 
-@torch.library.custom_op("fastformer::attention_bwd", mutates_args=())
-def attention_bwd_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                     attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], causal: int,
-                     scale: float, dropout_p: float,
-                     rng_state: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    chosen = backends.select(_call(q, k, v, attn_mask, key_padding_mask, causal, dropout_p))
-    return tuple(chosen.impls["attention"].bwd(dout, q, k, v, out, lse, attn_mask,
-                                               key_padding_mask, causal, scale, dropout_p,
-                                               rng_state))
-
-
-@attention_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, attn_mask, key_padding_mask, causal, scale, dropout_p, rng_state):
+def _fake_bwd(grads, saved, o, needs):
+    q, k, v = saved[:3]
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _save(ctx, q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p, rng_state, out,
-          lse):
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, key_padding_mask, rng_state)
-    ctx.causal, ctx.scale, ctx.dropout_p = causal, scale, dropout_p
+ATTENTION = OpDef("attention", inputs=("q", "k", "v"), options=AttentionOptions,
+                  outputs=("out", "lse"), visible=1,
+                  save=lambda inputs, o, outputs: (*inputs, *outputs),
+                  fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, call=_call)
 
 
-def _grads(ctx, dout, bwd):
-    q, k, v, out, lse, attn_mask, key_padding_mask, rng_state = ctx.saved_tensors
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, attn_mask, key_padding_mask, ctx.causal, ctx.scale,
-                     ctx.dropout_p, rng_state)
-    return dq, dk, dv, None, None, None, None, None, None
+# ---- implementations ------------------------------------------------------------------------
+@ATTENTION.implementation
+class _Cuda(Impl):
+    """csrc/cuda/attention_*.cu: tensor cores, fp16/bf16, head dims 64 and 128."""
+
+    backend = "cuda"
+    dtypes = frozenset({torch.float16, torch.bfloat16})
+    options = _CORE | {"key_padding_mask"}
+    features = frozenset({"gqa"})
+    head_dim_set = frozenset({64, 128})
+
+    fwd = compiled("cuda_attention_fwd")
+
+    def bwd(self, grads, saved, o, needs):
+        return _ext.C.cuda_attention_bwd(rowwise(grads[0]), *saved, o)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p, rng_state = inputs
-    out, lse = output
-    _save(ctx, q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p, rng_state, out, lse)
+@ATTENTION.implementation
+class _Triton(Impl):
+    """ops/attention_triton.py (triton_kernels/attention.py): head dims 16..256."""
+
+    backend = "triton"
+    dtypes = GPU_FLOAT
+    options = _CORE | _MASKS_DROPOUT
+    features = frozenset({"gqa"})
+    head_dims = (16, 256)
+
+    def fwd(self, q, k, v, o):
+        from . import attention_triton
+        return attention_triton.attention_fwd(q, k, v, o)
+
+    def bwd(self, grads, saved, o, needs):
+        from . import attention_triton
+        return attention_triton.attention_bwd(grads[0], *saved, o)
 
 
-def _op_backward(ctx, dout, _dlse):
-    return _grads(ctx, dout, attention_bwd_op)
+@ATTENTION.implementation
+class _Cpu(Impl):
+    """csrc/cpu/attention_*.cpp: every dtype, head dims 1..256, bf16 on AMX tiles."""
+
+    backend = "cpu"
+    dtypes = ALL_FLOAT
+    options = _CORE | _MASKS_DROPOUT
+    features = frozenset({"gqa"})
+    head_dims = (1, 256)
+
+    fwd = compiled("attention_fwd")
+
+    def bwd(self, grads, saved, o, needs):
+        return _ext.C.attention_bwd(rowwise(grads[0]), *saved, o)
 
 
-attention_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
+@ATTENTION.implementation
+class _Reference(Impl):
+    """reference/attention.py: the score matrix materialized; takes everything."""
 
+    backend = "reference"
+    options = EVERY_OPTION
+    features = frozenset({"gqa", "v_head_dim_differs", "last_dim_strided"})
 
-class _AttentionFunction(torch.autograd.Function):
-    """Eager route: same implementations as the custom ops, fewer dispatcher round trips."""
+    def fwd(self, q, k, v, o):
+        return ref.attention_fwd(q, k, v, o)
 
-    @staticmethod
-    def forward(ctx, q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p, rng_state):
-        backend, (out, lse) = _fwd_impl(q, k, v, attn_mask, key_padding_mask, causal, scale,
-                                        dropout_p, rng_state)
-        _save(ctx, q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p, rng_state,
-              out, lse)
-        ctx.backend, ctx.dispatch = backend, backends.last_dispatch()
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        backends.record(ctx.dispatch)  # the forward's backend runs the backward
-        return _grads(ctx, dout, ctx.backend.impls["attention"].bwd)
+    def bwd(self, grads, saved, o, needs):
+        return ref.attention_bwd(grads[0], *saved, o)
 
 
 # ---- public API ---------------------------------------------------------------------------
-def _check(fn, q, k, v, attn_mask, key_padding_mask, scale, dropout_p):
+def _check(fn: str, q, k, v, o: AttentionOptions) -> AttentionOptions:
+    """Validates the tensors and the options; returns o with scale and dropout_p as floats."""
+    attn_mask, key_padding_mask = o.attn_mask, o.key_padding_mask
     for name, t in (("q", q), ("k", k), ("v", v)):
         _checks.tensor(fn, name, t, dims=(4,))
     _checks.same_device(fn, "q", q, k=k, v=v, attn_mask=attn_mask,
@@ -250,12 +212,10 @@ def _check(fn, q, k, v, attn_mask, key_padding_mask, scale, dropout_p):
         if full != (B, H, Lq, Lk):
             raise ValueError(f"{fn}: `attn_mask` of shape {tuple(attn_mask.shape)} does not "
                              f"broadcast to (B, H, Lq, Lk) = {(B, H, Lq, Lk)}")
-    if scale is not None:
-        scale = _checks.number(fn, "scale", scale)
-        if not math.isfinite(scale):
-            raise ValueError(f"{fn}: `scale` must be finite, got {scale}")
-    dropout_p = _checks.number(fn, "dropout_p", dropout_p, lo=0.0, hi=1.0, hi_open=True)
-    return scale, dropout_p
+    if o.scale is not None:
+        o.scale = _checks.number(fn, "scale", o.scale, finite=True)
+    o.dropout_p = _checks.number(fn, "dropout_p", o.dropout_p, lo=0.0, hi=1.0, hi_open=True)
+    return o
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: Union[bool, str] = False,
@@ -282,56 +242,45 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: Union[bool, str] = Fal
         gradients), never NaN.
     """
     fn = "attention"
-    mode = causal_mode(fn, causal)
-    scale, dropout_p = _check(fn, q, k, v, attn_mask, key_padding_mask, scale, dropout_p)
-    return _attention(q, k, v, attn_mask, key_padding_mask, mode, scale, dropout_p)
+    o = AttentionOptions(causal=causal_mode(fn, causal), scale=scale, dropout_p=dropout_p,
+                         attn_mask=attn_mask, key_padding_mask=key_padding_mask)
+    return run(q, k, v, _check(fn, q, k, v, o))
 
 
-def _attention(q, k, v, attn_mask, key_padding_mask, causal: int, scale, dropout_p) -> Tensor:
-    """Validated inputs -> output. attn_mask is broadcast to 4-D here (a view)."""
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    if attn_mask is not None:
-        attn_mask = attn_mask.expand(B, H, Lq, Lk)
-    rng_state = draw_rng_state() if dropout_p > 0 else None
-    if attn_mask is not None and attn_mask.requires_grad and torch.is_grad_enabled():
+def run(q: Tensor, k: Tensor, v: Tensor, o: AttentionOptions) -> Tensor:
+    """Validated inputs -> output: attn_mask broadcast to 4-D (a view), the dropout stream
+    drawn, the op run."""
+    B, H, Lq, _ = q.shape
+    if o.attn_mask is not None:
+        o.attn_mask = o.attn_mask.expand(B, H, Lq, k.shape[2])
+    if o.dropout_p > 0:
+        o.rng_state = draw_rng_state()
+    if o.attn_mask is not None and o.attn_mask.requires_grad and torch.is_grad_enabled():
         # A learned additive bias (e.g. T5's relative positions) needs d(bias) = dS, a full
         # (B, H, Lq, Lk) tensor that no kernel writes: the reference runs it with autograd.
         backends.record(backends.Dispatch("attention", "reference", False,
-                                          {"kernels": ["attn_mask requires grad"]}))
-        return _differentiable_reference(q, k, v, attn_mask, key_padding_mask, causal, scale,
-                                         dropout_p, rng_state)
-    if via_custom_op(q, k, v, attn_mask, key_padding_mask):
-        out, _ = attention_fwd_op(q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p,
-                                  rng_state)
-    elif needs_grad(q, k, v):
-        out, _ = _AttentionFunction.apply(q, k, v, attn_mask, key_padding_mask, causal, scale,
-                                          dropout_p, rng_state)
-    else:
-        _, (out, _) = _fwd_impl(q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p,
-                                rng_state)
-    return out
+                                          {"kernels": ["attn_mask requires grad"]}, "reference"))
+        return _differentiable_reference(q, k, v, o)
+    return ATTENTION((q, k, v), o)[0]
 
 
-def _differentiable_reference(q, k, v, attn_mask, key_padding_mask, causal, scale, dropout_p,
-                              rng_state):
+def _differentiable_reference(q, k, v, o: AttentionOptions):
     """Eager PyTorch math with autograd (gradients for every input, the bias included)."""
-    B, H, Lq, _ = q.shape
+    B, H, Lq, D = q.shape
     Lk = k.shape[2]
     acc = ref.acc_dtype(q.dtype)
     groups = H // k.shape[1]
     kf = k.repeat_interleave(groups, 1) if groups > 1 else k
     vf = v.repeat_interleave(groups, 1) if groups > 1 else v
-    s = torch.matmul(q.to(acc), kf.to(acc).transpose(-1, -2)) * scale + attn_mask.to(acc)
-    allowed = ref.allowed_mask(B, H, Lq, Lk, None, key_padding_mask, causal, q.device)
+    s = torch.matmul(q.to(acc), kf.to(acc).transpose(-1, -2)) * o.scale_for(D) + o.attn_mask.to(acc)
+    allowed = ref.allowed_mask(B, H, Lq, Lk, None, o.key_padding_mask, o.causal, q.device)
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     empty = torch.isneginf(s.amax(-1, keepdim=True))
     p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    if dropout_p > 0:
-        p = p * keep_mask(rng_state, p.shape, dropout_p, device=q.device).to(acc) / (1 - dropout_p)
+    if o.dropout_p > 0:
+        keep = keep_mask(o.rng_state, p.shape, o.dropout_p, device=q.device)
+        p = p * keep.to(acc) / (1 - o.dropout_p)
     return torch.matmul(p, vf.to(acc)).to(q.dtype)
 
 
@@ -340,4 +289,4 @@ def dropout_keep_mask(rng_state: Tensor, shape, dropout_p: float) -> Tensor:
     return keep_mask(rng_state, shape, dropout_p)
 
 
-__all__ = ["attention", "dropout_keep_mask", "causal_mode"]
+__all__ = ["attention", "AttentionOptions", "ATTENTION", "dropout_keep_mask", "causal_mode"]

@@ -1,11 +1,13 @@
-"""Fused feed-forward block: ff.ffn and ff.swiglu_ffn, custom ops, autograd, backend wiring.
+"""Fused feed-forward block: ff.ffn and ff.swiglu_ffn, their op definition and backends.
 
 One call, top to bottom:
-  ff.ffn / ff.swiglu_ffn                                          checks (below)
-    -> torch.ops.fastformer.ffn_fwd (or the eager Function, see ops/_common.py)
-    -> backends.select(Call("ffn" | "swiglu", ...))
-    -> _C.ffn_fwd (cpu: csrc/cpu/ffn.cpp) | ops/ffn_triton.py (triton_kernels/ffn.py)
-       | reference/ffn.py
+  ff.ffn / ff.swiglu_ffn                                          checks (below), FfnOptions
+    -> FFN((x, w1, b1, w2, b2, w_up, b_up), o)                    ops/_opdef.py (eager
+                                                                  Function or custom ops)
+    -> backends.select(Call("ffn", ...))                           the first Impl below
+    -> cuda.cublas (cuBLAS + csrc/cuda/ffn_epilogue.cu) | ops/ffn_triton.py
+       (triton_kernels/ffn.py) | cpu.onednn (torch's oneDNN GEMMs, bf16 on AMX) |
+       _C.ffn_fwd (cpu: csrc/cpu/ffn.cpp) | reference/ffn.py
 
 The gated variant is the same op with ``w_up`` given (w1/b1 = gate, w2/b2 = down). Saved for
 the backward: x, the weights and the pre-activation (gated: [gate | up] as one (N, 2F) tensor)
@@ -20,16 +22,26 @@ import torch
 from torch import Tensor
 
 from .. import _checks, _ext, backends
+from ..backends import EVERY_OPTION, GPU_FLOAT, Impl
 from ..reference import ffn as ref
 from ..reference.ffn import ACTIVATIONS
 from ..reference.rng import draw_rng_state
-from ._common import LazyLaunchers, needs_grad, rowwise, via_custom_op
+from ._opdef import OpDef, Options, compiled, needs_grad, options, rowwise
 
 _ACT_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
-_NO_GRADS = (False,) * 7
 
 
-# ---- dispatch -------------------------------------------------------------------------------
+@options
+class FfnOptions(Options):
+    """The options of one FFN call (csrc/options.h mirrors the fields)."""
+
+    activation: int = 0                  # ACTIVATIONS index: relu, gelu, gelu_tanh, silu
+    dropout_p: float = 0.0               # on act(pre) (ffn only), in [0, 1)
+    rng_state: Optional[Tensor] = None   # int64 CPU [seed, offset] of the dropout stream
+    store_preactivation: bool = False    # keep the pre-activation for a backward
+
+
+# ---- the op -----------------------------------------------------------------------------------
 def _uniform_rows(t: Tensor) -> bool:
     """Whether t viewed as (-1, t.shape[-1]) has one row stride (a view, no copy)."""
     expected = None
@@ -42,35 +54,55 @@ def _uniform_rows(t: Tensor) -> bool:
     return True
 
 
-def _call(x: Tensor, hidden: int, has_bias: bool, gated: bool, dropout_p: float) -> backends.Call:
+def _call(inputs, o: FfnOptions) -> backends.Call:
+    x, w1, b1, w2, b2, w_up, b_up = inputs
     f = set()
-    if has_bias:
+    if b1 is not None or b2 is not None or b_up is not None:
         f.add("bias")
-    if dropout_p > 0:
-        f.add("dropout")
+    if w_up is not None:
+        f.add("gated")
     if not x.is_contiguous():
         if x.shape[-1] > 1 and x.stride(-1) != 1:
             f.add("last_dim_strided")
         if not _uniform_rows(x):
             f.add("rows_strided")
-    return backends.Call("swiglu" if gated else "ffn", x.device.type, x.dtype, frozenset(f),
-                         hidden=hidden, size=x.numel())
+    return backends.Call("ffn", x.device.type, x.dtype, o.set_fields(), frozenset(f),
+                         hidden=w1.shape[0])
 
 
-def _seed_offset(rng_state: Optional[Tensor]):
-    if rng_state is None:
-        return 0, 0
-    seed, offset = rng_state.tolist()
-    return int(seed), int(offset)
+def _fake_fwd(x, w1, b1, w2, b2, w_up, b_up, o):
+    tokens = x.numel() // x.shape[-1]
+    width = w1.shape[0] * (2 if w_up is not None else 1)
+    saved = x.new_empty((tokens, width)) if o.store_preactivation else x.new_empty((0,))
+    return x.new_empty(x.shape), saved
 
 
-# ---- backend implementations ----------------------------------------------------------------
-class _VendorGemmImpl:
+def _fake_bwd(grads, saved, o, needs):
+    x, w1 = saved[:2]
+    F_, D = w1.shape
+    shapes = [x.shape, (F_, D), (F_,), (D, F_), (D,), (F_, D), (F_,)]
+    return tuple(x.new_empty(s if need else (0,)) for s, need in zip(shapes, needs))
+
+
+FFN = OpDef("ffn", inputs=("x", "w1", "b1?", "w2", "b2?", "w_up?", "b_up?"), options=FfnOptions,
+            outputs=("y", "preactivation"), visible=1,
+            save=lambda inputs, o, outputs: (inputs[0], inputs[1], inputs[3], inputs[5], outputs[1]),
+            fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, call=_call)
+
+_FEATURES = frozenset({"bias", "gated"})
+_NO_DROPOUT = frozenset({"activation", "store_preactivation"})
+_EVERY = _NO_DROPOUT | {"dropout_p", "rng_state"}
+
+
+# ---- implementations ------------------------------------------------------------------------
+class _VendorGemm(Impl):
     """GEMMs through the vendor library (torch.addmm / mm: cuBLAS on CUDA, oneDNN on CPU, the
     bias in its epilogue) and the activation / gate as one elementwise step on the GEMM output,
-    forward and backward, with the hooks below. Dropout is not taken here. Gated: the gate and
-    up GEMMs write the two halves of one (N, 2F) buffer, the layout every backend saves."""
+    forward and backward, with the hooks below. No dropout. Gated: the gate and up GEMMs write
+    the two halves of one (N, 2F) buffer, the layout every backend saves."""
 
+    options = _NO_DROPOUT
+    features = _FEATURES
     # elementwise hooks: h = act(pre); d_pre = dh * act'(pre); h = act(g) * u; (dg, du)
     act_fwd = act_bwd = gated_fwd = gated_bwd = None
 
@@ -80,62 +112,83 @@ class _VendorGemmImpl:
             return torch.addmm(b, a, w.t(), out=out)
         return torch.mm(a, w.t(), out=out)
 
-    @classmethod
-    def fwd(cls, x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state, save_preactivation):
+    def fwd(self, x, w1, b1, w2, b2, w_up, b_up, o):
         x2 = x.reshape(-1, x.shape[-1])
-        lin = cls._linear
+        lin = self._linear
         if w_up is None:
             pre = lin(x2, w1, b1)
-            h = cls.act_fwd(pre, act)
+            h = self.act_fwd(pre, o.activation)
         else:
             F_ = w1.shape[0]
             pre = x2.new_empty((x2.shape[0], 2 * F_))  # [gate | up]
             gate, up = pre[:, :F_], pre[:, F_:]
             lin(x2, w1, b1, out=gate)  # strided outputs: the GEMM writes them with ldc = 2F
             lin(x2, w_up, b_up, out=up)
-            h = cls.gated_fwd(gate, up, act)
+            h = self.gated_fwd(gate, up, o.activation)
         y = lin(h, w2, b2).reshape(x.shape)
-        return y, (pre if save_preactivation else x.new_empty((0,)))
+        return y, (pre if o.store_preactivation else x.new_empty((0,)))
 
-    @classmethod
-    def bwd(cls, dy, x, w1, w2, w_up, saved, act, dropout_p, rng_state, needs):
+    def bwd(self, grads, saved, o, needs):
+        x, w1, w2, w_up, pre = saved
+        dy = rowwise(grads[0])
         x2 = x.reshape(-1, x.shape[-1])
         dy2 = dy.reshape(-1, dy.shape[-1])
         F_ = w1.shape[0]
-        empty = x.new_empty((0,))
+        act = o.activation
         dh = dy2 @ w2
         if w_up is None:
-            h = cls.act_fwd(saved, act)
-            d_pre = cls.act_bwd(dh, saved, act)
+            h = self.act_fwd(pre, act)
+            d_pre = self.act_bwd(dh, pre, act)
             d_up = None
         else:
-            gate, up = saved[:, :F_], saved[:, F_:]
-            h = cls.gated_fwd(gate, up, act)
-            d_pre, d_up = cls.gated_bwd(dh, gate, up, act)
-        dx = empty
+            gate, up = pre[:, :F_], pre[:, F_:]
+            h = self.gated_fwd(gate, up, act)
+            d_pre, d_up = self.gated_bwd(dh, gate, up, act)
+        dx = None
         if needs[0]:
             dx = d_pre @ w1
             if d_up is not None:
                 dx = dx.addmm_(d_up, w_up)
             dx = dx.reshape(x.shape)
-        grads = [dx,
-                 d_pre.t() @ x2 if needs[1] else empty,
-                 d_pre.sum(0) if needs[2] else empty,
-                 dy2.t() @ h if needs[3] else empty,
-                 dy2.sum(0) if needs[4] else empty,
-                 d_up.t() @ x2 if d_up is not None and needs[5] else empty,
-                 d_up.sum(0) if d_up is not None and needs[6] else empty]
-        return tuple(grads)
+        return (dx,
+                d_pre.t() @ x2 if needs[1] else None,
+                d_pre.sum(0) if needs[2] else None,
+                dy2.t() @ h if needs[3] else None,
+                dy2.sum(0) if needs[4] else None,
+                d_up.t() @ x2 if d_up is not None and needs[5] else None,
+                d_up.sum(0) if d_up is not None and needs[6] else None)
 
 
-class _CudaImpl(_VendorGemmImpl):
+@FFN.implementation
+class _CudaCublas(_VendorGemm):
     """cuda: cuBLAS GEMMs, the activation / gate fused in one kernel (csrc/cuda/ffn_epilogue.cu).
-    Dropout goes to triton (select())."""
+    Dropout goes to triton."""
 
-    act_fwd = staticmethod(lambda pre, act: _ext.C.ffn_bias_act_fwd(pre, None, act))
-    act_bwd = staticmethod(lambda dh, pre, act: _ext.C.ffn_bias_act_bwd(dh, pre, None, act, False)[0])
-    gated_fwd = staticmethod(lambda g, u, act: _ext.C.ffn_gated_act_fwd(g, u, act))
-    gated_bwd = staticmethod(lambda dh, g, u, act: tuple(_ext.C.ffn_gated_act_bwd(dh, g, u, act)))
+    backend = "cuda"
+    name = "cuda.cublas"
+    dtypes = GPU_FLOAT
+    act_fwd = staticmethod(lambda pre, act: _ext.C.cuda_ffn_bias_act_fwd(pre, None, act))
+    act_bwd = staticmethod(lambda dh, pre, act: _ext.C.cuda_ffn_bias_act_bwd(dh, pre, None, act, False)[0])
+    gated_fwd = staticmethod(lambda g, u, act: _ext.C.cuda_ffn_gated_act_fwd(g, u, act))
+    gated_bwd = staticmethod(lambda dh, g, u, act: tuple(_ext.C.cuda_ffn_gated_act_bwd(dh, g, u, act)))
+
+
+@FFN.implementation
+class _Triton(Impl):
+    """ops/ffn_triton.py (triton_kernels/ffn.py): every elementwise step inside a GEMM."""
+
+    backend = "triton"
+    dtypes = GPU_FLOAT
+    options = _EVERY
+    features = _FEATURES | {"last_dim_strided"}
+
+    def fwd(self, x, w1, b1, w2, b2, w_up, b_up, o):
+        from . import ffn_triton
+        return ffn_triton.ffn_fwd(x, w1, b1, w2, b2, w_up, b_up, o)
+
+    def bwd(self, grads, saved, o, needs):
+        from . import ffn_triton
+        return ffn_triton.ffn_bwd(rowwise(grads[0]), *saved, o, needs)
 
 
 def _act_bwd_torch(dh: Tensor, pre: Tensor, act: int) -> Tensor:
@@ -147,172 +200,55 @@ def _act_bwd_torch(dh: Tensor, pre: Tensor, act: int) -> Tensor:
     return torch.ops.aten.silu_backward(dh, pre)
 
 
-class _CpuAmxImpl(_VendorGemmImpl):
-    """cpu, bf16 on CPUs with AMX-BF16 (the avx512 kernels with AMX on, `ff.info()`), without
-    dropout: torch's bf16 GEMMs run on AMX tiles (oneDNN, ~1-1.5 TFLOP/s on this 2-core Xeon),
-    4-7x the fp32 FMAs of csrc/cpu/ffn.cpp's packed GEMM, so the GEMMs go there and the
-    activation / gate are torch's elementwise ops. Saves what the fused kernel saves (the
-    pre-activation, never act(pre)); h is rounded to bf16 before the second GEMM, as eager
-    PyTorch's is."""
+@FFN.implementation
+class _CpuOnednn(_VendorGemm):
+    """cpu, bf16 where the kernels run bf16 on AMX-BF16 tiles (``ff.info()``), without
+    dropout: torch's bf16 GEMMs run on AMX (oneDNN, ~1-1.5 TFLOP/s on a 2-core Xeon), 4-7x the
+    fp32 FMAs of csrc/cpu/ffn.cpp's packed GEMM, so the GEMMs go there and the activation /
+    gate are torch's elementwise ops. Saves what the fused kernel saves (the pre-activation,
+    never act(pre)); h is rounded to bf16 before the second GEMM, as eager PyTorch's is."""
 
+    backend = "cpu"
+    name = "cpu.onednn"
+    dtypes = frozenset({torch.bfloat16})
+    features = _FEATURES | {"last_dim_strided", "rows_strided"}
     act_fwd = staticmethod(lambda pre, act: ref.activation(pre, act))
     act_bwd = staticmethod(_act_bwd_torch)
     gated_fwd = staticmethod(lambda g, u, act: ref.activation(g, act) * u)
     gated_bwd = staticmethod(lambda dh, g, u, act: (_act_bwd_torch(dh * u, g, act),
                                                     dh * ref.activation(g, act)))
 
-    @staticmethod
-    def takes(x: Tensor, dropout_p: float) -> bool:
-        return x.dtype == torch.bfloat16 and dropout_p == 0 and bool(_ext.C.use_amx_bf16())
+    def unavailable(self):
+        if _ext.C is not None and _ext.C.use_amx_bf16():
+            return None
+        return "bf16 kernels not on AMX tiles (" + (_ext.cpu_info().get("amx_note") or "off") + ")"
 
 
-class _CompiledImpl:
-    """cpu: fastformer._C (csrc/cpu/ffn.cpp); bf16 on AMX without dropout: _CpuAmxImpl."""
+@FFN.implementation
+class _Cpu(Impl):
+    """csrc/cpu/ffn.cpp: packed GEMMs with the bias, activation, gate and dropout fused."""
 
-    @staticmethod
-    def fwd(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state, save_preactivation):
-        if _CpuAmxImpl.takes(x, dropout_p):
-            return _CpuAmxImpl.fwd(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state,
-                                   save_preactivation)
-        seed, offset = _seed_offset(rng_state)
-        y, saved = _ext.C.ffn_fwd(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, seed, offset,
-                                  save_preactivation)
-        return y, saved
+    backend = "cpu"
+    options = _EVERY
+    features = _FEATURES | {"last_dim_strided", "rows_strided"}
 
-    @staticmethod
-    def bwd(dy, x, w1, w2, w_up, saved, act, dropout_p, rng_state, needs):
-        if _CpuAmxImpl.takes(x, dropout_p):
-            return _CpuAmxImpl.bwd(dy, x, w1, w2, w_up, saved, act, dropout_p, rng_state, needs)
-        seed, offset = _seed_offset(rng_state)
-        return tuple(_ext.C.ffn_bwd(dy, x, w1, w2, w_up, saved, act, dropout_p, seed, offset,
-                                    *needs))
+    fwd = compiled("ffn_fwd")
+
+    def bwd(self, grads, saved, o, needs):
+        return _ext.C.ffn_bwd(rowwise(grads[0]), *saved, o, *needs)
 
 
-_TritonImpl = LazyLaunchers(".ffn_triton", "ffn_fwd", "ffn_bwd")
+@FFN.implementation
+class _Reference(Impl):
+    backend = "reference"
+    options = EVERY_OPTION
+    features = _FEATURES | {"last_dim_strided", "rows_strided"}
 
+    def fwd(self, x, w1, b1, w2, b2, w_up, b_up, o):
+        return ref.ffn_fwd(x, w1, b1, w2, b2, w_up, b_up, o)
 
-class _ReferenceImpl:
-    fwd = staticmethod(ref.ffn_fwd)
-    bwd = staticmethod(ref.ffn_bwd)
-
-
-def register_impls() -> None:
-    for op in ("ffn", "swiglu"):
-        backends.register_impl(op, "reference", _ReferenceImpl)
-        if _ext.C is not None and hasattr(_ext.C, "ffn_fwd"):
-            backends.register_impl(op, "cpu", _CompiledImpl)
-        if _ext.C is not None and hasattr(_ext.C, "ffn_bias_act_fwd"):
-            backends.register_impl(op, "cuda", _CudaImpl)
-        import importlib.util
-        if importlib.util.find_spec("fastformer.ops.ffn_triton") is not None:
-            backends.register_impl(op, "triton", _TritonImpl)
-
-
-register_impls()
-
-
-def _fwd_impl(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state, save_preactivation):
-    has_bias = b1 is not None or b2 is not None or b_up is not None
-    chosen = backends.select(_call(x, w1.shape[0], has_bias, w_up is not None, dropout_p))
-    impl = chosen.impls["swiglu" if w_up is not None else "ffn"]
-    return chosen, impl.fwd(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state,
-                            save_preactivation)
-
-
-# ---- custom ops (torch.compile / export route) ----------------------------------------------
-@torch.library.custom_op("fastformer::ffn_fwd", mutates_args=())
-def ffn_fwd_op(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-               w_up: Optional[Tensor], b_up: Optional[Tensor], activation: int,
-               dropout_p: float, rng_state: Optional[Tensor],
-               save_preactivation: bool) -> tuple[Tensor, Tensor]:
-    y, saved = _fwd_impl(x, w1, b1, w2, b2, w_up, b_up, activation, dropout_p, rng_state,
-                         save_preactivation)[1]
-    return y, saved
-
-
-@ffn_fwd_op.register_fake
-def _(x, w1, b1, w2, b2, w_up, b_up, activation, dropout_p, rng_state, save_preactivation):
-    tokens = x.numel() // x.shape[-1]
-    width = w1.shape[0] * (2 if w_up is not None else 1)
-    saved = x.new_empty((tokens, width)) if save_preactivation else x.new_empty((0,))
-    return x.new_empty(x.shape), saved
-
-
-@torch.library.custom_op("fastformer::ffn_bwd", mutates_args=())
-def ffn_bwd_op(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, w_up: Optional[Tensor],
-               saved: Tensor, activation: int, dropout_p: float, rng_state: Optional[Tensor],
-               has_bias: bool,
-               needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    # has_bias: only so that selection sees the forward's features
-    chosen = backends.select(_call(x, w1.shape[0], has_bias, w_up is not None, dropout_p))
-    impl = chosen.impls["swiglu" if w_up is not None else "ffn"]
-    return tuple(impl.bwd(rowwise(dy), x, w1, w2, w_up, saved, activation, dropout_p, rng_state,
-                          tuple(needs)))
-
-
-@ffn_bwd_op.register_fake
-def _(dy, x, w1, w2, w_up, saved, activation, dropout_p, rng_state, has_bias, needs):
-    F_, D = w1.shape
-    shapes = [x.shape, (F_, D), (F_,), (D, F_), (D,), (F_, D), (F_,)]
-    return tuple(x.new_empty(s if need else (0,)) for s, need in zip(shapes, needs))
-
-
-def _needs(ctx, has_b1, has_b2, has_up, has_b_up) -> tuple:
-    """needs_input_grad of (x, w1, b1, w2, b2, w_up, b_up) -> the 7 flags of the bwd kernels."""
-    n = ctx.needs_input_grad
-    return (n[0], n[1], has_b1 and n[2], n[3], has_b2 and n[4], has_up and n[5],
-            has_b_up and n[6])
-
-
-def _save(ctx, x, w1, b1, w2, b2, w_up, b_up, activation, dropout_p, rng_state, saved):
-    ctx.save_for_backward(x, w1, w2, w_up, saved, rng_state)
-    ctx.activation, ctx.dropout_p = activation, dropout_p
-    ctx.has = (b1 is not None, b2 is not None, w_up is not None, b_up is not None)
-
-
-def _grads(ctx, dy, bwd):
-    x, w1, w2, w_up, saved, rng_state = ctx.saved_tensors
-    needs = _needs(ctx, *ctx.has)
-    grads = bwd(dy, x, w1, w2, w_up, saved, ctx.activation, ctx.dropout_p, rng_state, needs)
-    out = tuple(g if need else None for g, need in zip(grads, needs))
-    return out + (None,) * 4
-
-
-def _setup_context(ctx, inputs, output):
-    x, w1, b1, w2, b2, w_up, b_up, activation, dropout_p, rng_state, _ = inputs
-    _save(ctx, x, w1, b1, w2, b2, w_up, b_up, activation, dropout_p, rng_state, output[1])
-
-
-def _op_backward(ctx, dy, _dsaved):
-    has_bias = ctx.has[0] or ctx.has[1] or ctx.has[3]
-
-    def bwd(dy, x, w1, w2, w_up, saved, act, p, rng_state, needs):
-        return ffn_bwd_op(dy, x, w1, w2, w_up, saved, act, p, rng_state, has_bias, list(needs))
-    return _grads(ctx, dy, bwd)
-
-
-ffn_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
-
-
-class _FFNFunction(torch.autograd.Function):
-    """Eager route: same implementations as the custom ops, fewer dispatcher round trips."""
-
-    @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, w_up, b_up, activation, dropout_p, rng_state):
-        backend, (y, saved) = _fwd_impl(x, w1, b1, w2, b2, w_up, b_up, activation, dropout_p,
-                                        rng_state, True)
-        _save(ctx, x, w1, b1, w2, b2, w_up, b_up, activation, dropout_p, rng_state, saved)
-        ctx.backend, ctx.dispatch = backend, backends.last_dispatch()
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        backends.record(ctx.dispatch)  # the forward's backend runs the backward
-        impl = ctx.backend.impls["swiglu" if ctx.has[2] else "ffn"]
-
-        def bwd(dy, *rest):
-            return impl.bwd(rowwise(dy), *rest)
-        return _grads(ctx, dy, bwd)[:10]
+    def bwd(self, grads, saved, o, needs):
+        return ref.ffn_bwd(grads[0], *saved, o, needs)
 
 
 # ---- public API ---------------------------------------------------------------------------
@@ -357,14 +293,10 @@ def _weight_rows(fn: str, name: str, w, what: str) -> int:
 
 
 def _run(x, w1, b1, w2, b2, w_up, b_up, act: int, dropout_p: float) -> Tensor:
-    rng_state = draw_rng_state() if dropout_p > 0 else None
-    if via_custom_op(x, w1, b1, w2, b2, w_up, b_up):
-        save = needs_grad(x, w1, b1, w2, b2, w_up, b_up)
-        y, _ = ffn_fwd_op(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state, save)
-        return y
-    if needs_grad(x, w1, b1, w2, b2, w_up, b_up):
-        return _FFNFunction.apply(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state)
-    return _fwd_impl(x, w1, b1, w2, b2, w_up, b_up, act, dropout_p, rng_state, False)[1][0]
+    o = FfnOptions(activation=act, dropout_p=dropout_p,
+                   rng_state=draw_rng_state() if dropout_p > 0 else None,
+                   store_preactivation=needs_grad((x, w1, b1, w2, b2, w_up, b_up)))
+    return FFN((x, w1, b1, w2, b2, w_up, b_up), o)[0]
 
 
 def ffn(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],

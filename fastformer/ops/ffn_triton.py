@@ -1,6 +1,6 @@
 """Launchers of the Triton feed-forward kernels (triton_kernels/ffn.py).
 
-Called by ``_TritonImpl`` in ops/ffn.py with validated inputs: x (..., D) whose rows have one
+Called by ``_Triton`` in ops/ffn.py with validated inputs: x (..., D) whose rows have one
 stride (any column stride; never copied), weights (F, D) / (D, F) with any strides, biases
 contiguous, rng_state None or an int64 CPU tensor [seed, offset]. Every GEMM reads its operands
 through strides (transposes are free) and every elementwise step runs inside a GEMM:
@@ -59,10 +59,11 @@ def _same_strides(w_up: Tensor, w1: Tensor) -> Tensor:
 
 
 def ffn_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-            w_up: Optional[Tensor], b_up: Optional[Tensor], act: int, dropout_p: float,
-            rng_state: Optional[Tensor], save_preactivation: bool):
+            w_up: Optional[Tensor], b_up: Optional[Tensor], o):
+    """o: ops/ffn.py's FfnOptions. Returns (y, the pre-activation or an empty tensor)."""
     from ..triton_kernels import ffn as tk
     from ..triton_kernels import interpreter_mode
+    act, dropout_p, save_preactivation = o.activation, o.dropout_p, o.store_preactivation
     D, F = x.shape[-1], w1.shape[0]
     gated = w_up is not None
     x2 = x.reshape(-1, D)  # a view: rows have one stride (the backend's declaration)
@@ -72,7 +73,7 @@ def ffn_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optiona
                          device=x.device)
     if M == 0:
         return y, (hidden if save_preactivation else x.new_empty((0,)))
-    dropout = _dropout_args(0.0 if gated else dropout_p, rng_state)
+    dropout = _dropout_args(0.0 if gated else dropout_p, o.rng_state)
     w_up = _same_strides(w_up, w1) if gated else w1
     kernel, config = tk.kernel_and_config("act", gated)
     kernel[_grid(M, F)](
@@ -94,8 +95,9 @@ def ffn_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optiona
 
 
 def ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, w_up: Optional[Tensor], saved: Tensor,
-            act: int, dropout_p: float, rng_state: Optional[Tensor], needs: tuple):
+            o, needs: tuple):
     """Returns (dx, dw1, db1, dw2, db2, dw_up, db_up); those not in `needs` are empty."""
+    act, dropout_p = o.activation, o.dropout_p
     from ..triton_kernels import ffn as tk
     from ..triton_kernels import interpreter_mode
     need_dx, need_dw1, need_db1, need_dw2, need_db2, need_dwu, need_dbu = needs
@@ -106,7 +108,7 @@ def ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, w_up: Optional[Tensor
     M = x2.shape[0]
     H = saved.shape[1] if saved.dim() == 2 else F
     empty = lambda: x.new_empty((0,))  # noqa: E731  (distinct tensors: outputs never alias)
-    dropout = _dropout_args(0.0 if gated else dropout_p, rng_state)
+    dropout = _dropout_args(0.0 if gated else dropout_p, o.rng_state)
     hidden_mode = tk.HIDDEN_GATED if gated else tk.HIDDEN_ACT
     opts = dict(dtype=x.dtype, device=x.device)
     f32 = dict(dtype=torch.float32, device=x.device)

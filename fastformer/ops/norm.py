@@ -1,10 +1,13 @@
-"""Fused residual-add + LayerNorm / RMSNorm: public functions, launchers, custom ops, autograd.
+"""Fused residual-add + LayerNorm / RMSNorm: public functions, op definition, backends.
 
 One call, top to bottom:
-  ff.add_layer_norm / ff.layer_norm / ff.rms_norm      (checks, below)
-    -> torch.ops.fastformer.add_norm_fwd (or the eager Function, see ops/_common.py)
-    -> backends.select(Call("add_norm", ...))
-    -> _C.add_norm_fwd (cpu, cuda) | _triton_fwd (triton_kernels/norm.py) | reference/norm.py
+  ff.add_layer_norm / ff.layer_norm / ff.rms_norm      checks (below), NormOptions
+    -> ADD_NORM((x, residual, weight, bias), o)       ops/_opdef.py (eager Function, the C++
+                                                      autograd node of the cpu backend, or the
+                                                      custom ops fastformer::add_norm_fwd/_bwd)
+    -> backends.select(Call("add_norm", ...))          the first Impl below that takes it
+    -> _C.add_norm_fwd (cpu: csrc/cpu/norm.cpp) | _C.cuda_add_norm_fwd (csrc/cuda/norm.cu)
+       | triton_kernels/norm.py | reference/norm.py
 
 Saved for the backward: mean and rstd (fp32; fp64 for fp64 inputs) and the tensors z is
 recomputed from: ``residual_out`` when it was returned (the pre-norm residual stream the caller
@@ -18,9 +21,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _checks, _ext, backends
+from .. import _checks, backends
+from ..backends import Impl
 from ..reference import norm as ref
-from ._common import needs_grad, rowwise, via_custom_op
+from ._opdef import OpDef, Options, compiled, options, rowwise
 
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 
@@ -42,18 +46,8 @@ def _uniform_row_stride(t: Tensor) -> Optional[int]:
     return t.shape[-1] if stride is None else stride
 
 
-def _features(x: Tensor, residual, weight, bias, rms, return_residual) -> frozenset:
+def _features(x: Tensor, residual) -> frozenset:
     f = set()
-    if residual is not None:
-        f.add("residual")
-    if weight is not None:
-        f.add("weight")
-    if bias is not None:
-        f.add("bias")
-    if rms:
-        f.add("rms")
-    if return_residual:
-        f.add("return_residual")
     for t in (x, residual):
         if t is None or t.is_contiguous():
             continue
@@ -64,51 +58,134 @@ def _features(x: Tensor, residual, weight, bias, rms, return_residual) -> frozen
     return frozenset(f)
 
 
+@options
+class NormOptions(Options):
+    """The options of one add+norm call (csrc/options.h mirrors the fields)."""
+
+    eps: float = 1e-5
+    rms: bool = False                # RMSNorm: no mean subtraction, no bias
+    return_residual: bool = False    # also return x + residual (the pre-norm residual stream)
+
+
 _call_cache: dict = {}
 
 
-def _call(x, residual, weight, bias, rms, return_residual) -> backends.Call:
+def _call(inputs, o: NormOptions) -> backends.Call:
     """The Call for select(); contiguous inputs hit a cache (building one costs ~15 us)."""
+    x, residual, weight, bias = inputs
     contiguous = x.is_contiguous() and (residual is None or residual.is_contiguous())
     if contiguous:
         key = (x.device.type, x.dtype, x.shape[-1], residual is None, weight is None,
-               bias is None, rms, return_residual)
+               bias is None, o.rms, o.return_residual)
         call = _call_cache.get(key)
         if call is not None:
             return call
-    call = backends.Call("add_norm", x.device.type, x.dtype,
-                         _features(x, residual, weight, bias, rms, return_residual),
-                         hidden=x.shape[-1])
+    present = {name for name, t in zip(("residual", "weight", "bias"), inputs[1:]) if t is not None}
+    call = backends.Call("add_norm", x.device.type, x.dtype, o.set_fields(),
+                         _features(x, residual) | present, hidden=x.shape[-1])
     if contiguous and len(_call_cache) < 4096:
         _call_cache[key] = call
     return call
 
 
-# ---- backend implementations ----------------------------------------------------------------
-class _CompiledImpl:
-    """cpu and cuda: fastformer._C (it dispatches on the tensors' device)."""
-
-    @staticmethod
-    def fwd(x, residual, weight, bias, eps, rms, return_residual):
-        return tuple(_ext.C.add_norm_fwd(x, residual, weight, bias, eps, rms, return_residual))
-
-    @staticmethod
-    def bwd(dy, dres_out, z_a, z_b, weight, mean, rstd, rms, need_dw, need_db, param_dtype):
-        return tuple(_ext.C.add_norm_bwd(rowwise(dy), None if dres_out is None else rowwise(dres_out),
-                                         z_a, z_b, weight, mean, rstd, rms, need_dw, need_db,
-                                         _DTYPE_CODE[param_dtype]))
+def _save(inputs, o: NormOptions, outputs):
+    """z = x + residual is recomputed from what the caller keeps anyway: the returned residual
+    stream, else x and residual. The bias only tells the gradients' dtype."""
+    x, residual, weight, bias = inputs
+    _, res_out, mean, rstd = outputs
+    if residual is not None and o.return_residual:
+        return res_out, None, weight, bias, mean, rstd
+    return x, residual, weight, bias, mean, rstd
 
 
-class _TritonImpl:
+def _stats_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _fake_fwd(x, residual, weight, bias, o):
+    hidden = x.shape[-1]
+    rows = x.numel() // hidden if hidden else 0
+    y = x.new_empty(x.shape)
+    res_out = x.new_empty(x.shape) if (o.return_residual and residual is not None) else x.new_empty((0,))
+    mean = x.new_empty((0,) if o.rms else (rows,), dtype=_stats_dtype(x))
+    return y, res_out, mean, x.new_empty((rows,), dtype=_stats_dtype(x))
+
+
+def _grad_plan(saved, needs):
+    """(need d weight, need d bias, the dtype of the parameter gradients)."""
+    z_a, _, weight, bias = saved[:4]
+    params = weight if weight is not None else bias
+    return (weight is not None and needs[2], bias is not None and needs[3],
+            params.dtype if params is not None else z_a.dtype)
+
+
+def _fake_bwd(grads, saved, o, needs):
+    z_a = saved[0]
+    need_dw, need_db, param_dtype = _grad_plan(saved, needs)
+    hidden = z_a.shape[-1]
+    dw = z_a.new_empty((hidden,) if need_dw else (0,), dtype=param_dtype)
+    db = z_a.new_empty((hidden,) if need_db else (0,), dtype=param_dtype)
+    return z_a.new_empty(z_a.shape), None, dw, db
+
+
+def _dres_out(grads, o: NormOptions):
+    """The gradient of the returned residual stream, None when it was not returned."""
+    dres = grads[1] if len(grads) > 1 else None
+    if dres is None or not o.return_residual or dres.numel() == 0:
+        return None
+    return dres
+
+
+# d residual is d x (one tensor, dz).
+ADD_NORM = OpDef("add_norm", inputs=("x", "residual?", "weight?", "bias?"), options=NormOptions,
+                 outputs=("y", "residual_out", "mean", "rstd"), visible=2, save=_save,
+                 fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, call=_call, grad_aliases={1: 0})
+
+_NORM_FEATURES = frozenset({"residual", "weight", "bias"})
+_NORM_OPTIONS = frozenset({"eps", "rms", "return_residual"})
+
+
+# ---- implementations ------------------------------------------------------------------------
+class _Compiled(Impl):
+    """cpu and cuda: fastformer._C (csrc/cpu/norm.cpp, csrc/cuda/norm.cu); fwd is the _C
+    function itself, bwd_kernel the backward's."""
+
+    options = _NORM_OPTIONS
+
+    def bwd(self, grads, saved, o, needs):
+        z_a, z_b, weight, _, mean, rstd = saved
+        need_dw, need_db, param_dtype = _grad_plan(saved, needs)
+        dz, dw, db = self.bwd_kernel(
+            rowwise(grads[0]), rowwise(_dres_out(grads, o)), z_a, z_b, weight, mean, rstd,
+            o.rms, need_dw, need_db, _DTYPE_CODE[param_dtype])
+        return dz, None, dw, db
+
+
+@ADD_NORM.implementation
+class _Cuda(_Compiled):
+    backend = "cuda"
+    dtypes = backends.GPU_FLOAT
+    features = _NORM_FEATURES
+    fwd, bwd_kernel = compiled("cuda_add_norm_fwd"), compiled("cuda_add_norm_bwd")
+
+
+@ADD_NORM.implementation
+class _Triton(Impl):
     """Launchers of triton_kernels/norm.py."""
 
-    @staticmethod
-    def fwd(x, residual, weight, bias, eps, rms, return_residual):
+    backend = "triton"
+    dtypes = backends.GPU_FLOAT
+    options = _NORM_OPTIONS
+    features = _NORM_FEATURES
+    max_hidden = 16384
+
+    def fwd(self, x, residual, weight, bias, o):
         from ..triton_kernels import norm as tk
+        rms = o.rms
         hidden = x.shape[-1]
         rows = x.numel() // hidden
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        store_res = return_residual and residual is not None
+        store_res = o.return_residual and residual is not None
         res_out = torch.empty_like(y) if store_res else x.new_empty((0,))
         stats = dict(dtype=torch.float32, device=x.device)
         mean = torch.empty(0 if rms else rows, **stats)
@@ -122,14 +199,16 @@ class _TritonImpl:
                 _uniform_row_stride(residual) if residual is not None else 0,
                 weight if weight is not None else x, bias if bias is not None else x,
                 y, res_out if store_res else y, rstd if rms else mean, rstd,
-                rows, hidden, eps,
+                rows, hidden, o.eps,
                 HAS_RESIDUAL=residual is not None, STORE_RESIDUAL=store_res,
                 HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, RMS=rms, **cfg)
         return y, res_out, mean, rstd
 
-    @staticmethod
-    def bwd(dy, dres_out, z_a, z_b, weight, mean, rstd, rms, need_dw, need_db, param_dtype):
+    def bwd(self, grads, saved, o, needs):
         from ..triton_kernels import norm as tk
+        z_a, z_b, weight, _, mean, rstd = saved
+        need_dw, need_db, param_dtype = _grad_plan(saved, needs)
+        dy, dres_out, rms = grads[0], _dres_out(grads, o), o.rms
         hidden = z_a.shape[-1]
         rows = z_a.numel() // hidden
         dz = torch.empty(z_a.shape, dtype=z_a.dtype, device=z_a.device)
@@ -165,132 +244,38 @@ class _TritonImpl:
         empty = z_a.new_empty((0,), dtype=param_dtype)
         dw = dw_part.sum(0, dtype=torch.float64).to(param_dtype) if need_dw else empty
         db = db_part.sum(0, dtype=torch.float64).to(param_dtype) if need_db else empty
-        return dz, dw, db
+        return dz, None, dw, db
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-class _ReferenceImpl:
-    fwd = staticmethod(ref.add_norm_fwd)
-    bwd = staticmethod(ref.add_norm_bwd)
+@ADD_NORM.implementation
+class _Cpu(_Compiled):
+    backend = "cpu"
+    features = _NORM_FEATURES | {"rows_strided"}
+    fwd, bwd_kernel = compiled("add_norm_fwd"), compiled("add_norm_bwd")
+    # The same kernels behind a C++ autograd node (csrc/cpu/cpu_bindings.h): no Python in the
+    # forward's bookkeeping or the backward (~0.1-0.2 ms per step on small rows).
+    autograd = compiled("add_norm_autograd")
 
 
-backends.register_impl("add_norm", "cpu", _CompiledImpl)
-backends.register_impl("add_norm", "cuda", _CompiledImpl)
-backends.register_impl("add_norm", "triton", _TritonImpl)
-backends.register_impl("add_norm", "reference", _ReferenceImpl)
+@ADD_NORM.implementation
+class _Reference(Impl):
+    backend = "reference"
+    options = backends.EVERY_OPTION
+    features = _NORM_FEATURES | {"rows_strided", "last_dim_strided"}
 
+    def fwd(self, x, residual, weight, bias, o):
+        return ref.add_norm_fwd(x, residual, weight, bias, o.eps, o.rms, o.return_residual)
 
-def _fwd_impl(x, residual, weight, bias, eps, rms, return_residual, backend=None):
-    chosen = backends.select(_call(x, residual, weight, bias, rms, return_residual), backend)
-    return chosen, chosen.impls["add_norm"].fwd(x, residual, weight, bias, eps, rms,
-                                                return_residual)
-
-
-def _bwd_impl(dy, dres_out, z_a, z_b, weight, mean, rstd, rms, need_dw, need_db, param_dtype):
-    chosen = backends.select(_call(z_a, z_b, weight, None, rms, False))
-    return chosen.impls["add_norm"].bwd(dy, dres_out, z_a, z_b, weight, mean, rstd, rms,
-                                        need_dw, need_db, param_dtype)
-
-
-# ---- custom ops (torch.compile / export route) ----------------------------------------------
-@torch.library.custom_op("fastformer::add_norm_fwd", mutates_args=())
-def add_norm_fwd_op(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor],
-                    bias: Optional[Tensor], eps: float, rms: bool,
-                    return_residual: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return tuple(_fwd_impl(x, residual, weight, bias, eps, rms, return_residual)[1])
-
-
-@add_norm_fwd_op.register_fake
-def _(x, residual, weight, bias, eps, rms, return_residual):
-    hidden = x.shape[-1]
-    rows = x.numel() // hidden if hidden else 0
-    stat = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = x.new_empty(x.shape)
-    res_out = x.new_empty(x.shape) if (return_residual and residual is not None) else x.new_empty((0,))
-    mean = x.new_empty((0,) if rms else (rows,), dtype=stat)
-    return y, res_out, mean, x.new_empty((rows,), dtype=stat)
-
-
-@torch.library.custom_op("fastformer::add_norm_bwd", mutates_args=())
-def add_norm_bwd_op(dy: Tensor, dresidual_out: Optional[Tensor], z_a: Tensor, z_b: Optional[Tensor],
-                    weight: Optional[Tensor], mean: Tensor, rstd: Tensor, rms: bool,
-                    need_dweight: bool, need_dbias: bool,
-                    param_dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-    return tuple(_bwd_impl(dy, dresidual_out, z_a, z_b, weight, mean, rstd, rms, need_dweight,
-                           need_dbias, param_dtype))
-
-
-@add_norm_bwd_op.register_fake
-def _(dy, dresidual_out, z_a, z_b, weight, mean, rstd, rms, need_dweight, need_dbias, param_dtype):
-    hidden = z_a.shape[-1]
-    dw = z_a.new_empty((hidden,) if need_dweight else (0,), dtype=param_dtype)
-    db = z_a.new_empty((hidden,) if need_dbias else (0,), dtype=param_dtype)
-    return z_a.new_empty(z_a.shape), dw, db
-
-
-def _save(ctx, x, residual, weight, bias, rms, return_residual, res_out, mean, rstd, backend):
-    if residual is not None and return_residual:
-        z_a, z_b = res_out, None
-    else:
-        z_a, z_b = x, residual
-    ctx.save_for_backward(z_a, z_b, weight, mean, rstd)
-    ctx.rms = rms
-    ctx.has_residual = residual is not None
-    ctx.has_bias = bias is not None
-    ctx.return_residual = bool(return_residual and residual is not None)
-    params = weight if weight is not None else bias
-    ctx.param_dtype = params.dtype if params is not None else x.dtype
-    ctx.backend = backend
-
-
-def _grads(ctx, dy, dres_out, bwd):
-    z_a, z_b, weight, mean, rstd = ctx.saved_tensors
-    need = ctx.needs_input_grad
-    need_dw = weight is not None and need[2]
-    need_db = ctx.has_bias and need[3]
-    if dres_out is not None and (not ctx.return_residual or dres_out.numel() == 0):
-        dres_out = None
-    dz, dw, db = bwd(dy, dres_out, z_a, z_b, weight, mean, rstd, ctx.rms, need_dw, need_db,
-                     ctx.param_dtype)
-    return (dz, dz if ctx.has_residual else None, dw if need_dw else None,
-            db if need_db else None, None, None, None)
-
-
-def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps, rms, return_residual = inputs
-    _, res_out, mean, rstd = output
-    _save(ctx, x, residual, weight, bias, rms, return_residual, res_out, mean, rstd, None)
-
-
-def _op_backward(ctx, dy, dres_out, _dmean, _drstd):
-    return _grads(ctx, dy, dres_out, add_norm_bwd_op)
-
-
-add_norm_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
-
-
-class _AddNormFunction(torch.autograd.Function):
-    """Eager route of the Python-launched backends (reference, Triton): same implementations
-    as the custom ops, fewer dispatcher round trips. `backend` is the one _add_norm selected."""
-
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps, rms, return_residual, backend):
-        y, res_out, mean, rstd = backend.impls["add_norm"].fwd(x, residual, weight, bias, eps,
-                                                              rms, return_residual)
-        _save(ctx, x, residual, weight, bias, rms, return_residual, res_out, mean, rstd, backend)
-        ctx.dispatch = backends.last_dispatch()
-        ctx.mark_non_differentiable(mean, rstd)
-        return y, res_out
-
-    @staticmethod
-    def backward(ctx, dy, dres_out):
-        # The forward's backend runs the backward (it was selected, and validated, for the
-        # same tensors); no second selection.
-        backends.record(ctx.dispatch)
-        return _grads(ctx, dy, dres_out, ctx.backend.impls["add_norm"].bwd) + (None,)
+    def bwd(self, grads, saved, o, needs):
+        z_a, z_b, weight, _, mean, rstd = saved
+        need_dw, need_db, param_dtype = _grad_plan(saved, needs)
+        dz, dw, db = ref.add_norm_bwd(grads[0], _dres_out(grads, o), z_a, z_b, weight, mean,
+                                      rstd, o.rms, need_dw, need_db, param_dtype)
+        return dz, None, dw, db
 
 
 # ---- public API ---------------------------------------------------------------------------
@@ -335,20 +320,8 @@ def _check(fn, x, residual, weight, bias, eps):
 
 
 def _add_norm(x, residual, weight, bias, eps, rms, return_residual):
-    if via_custom_op(x, residual, weight, bias):
-        y, res_out, _, _ = add_norm_fwd_op(x, residual, weight, bias, eps, rms, return_residual)
-    elif needs_grad(x, residual, weight, bias):
-        chosen = backends.select(_call(x, residual, weight, bias, rms, return_residual))
-        if chosen.impls["add_norm"] is _CompiledImpl:
-            # The same kernels behind a C++ autograd node (csrc/bindings.cpp): no Python in
-            # the forward's bookkeeping or the backward (~0.1-0.2 ms per step on small rows).
-            y, res_out = _ext.C.add_norm_autograd(x, residual, weight, bias, eps, rms,
-                                                  return_residual)
-        else:
-            y, res_out = _AddNormFunction.apply(x, residual, weight, bias, eps, rms,
-                                                return_residual, chosen)
-    else:
-        _, (y, res_out, _, _) = _fwd_impl(x, residual, weight, bias, eps, rms, return_residual)
+    o = NormOptions(eps=eps, rms=rms, return_residual=return_residual)
+    y, res_out = ADD_NORM((x, residual, weight, bias), o)
     if not return_residual:
         return y
     return y, (res_out if residual is not None else x)

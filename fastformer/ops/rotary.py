@@ -1,9 +1,10 @@
-"""Rotary position embedding: ff.apply_rotary, custom op, autograd, backend wiring.
+"""Rotary position embedding: ff.apply_rotary, its op definition and backends.
 
 One call, top to bottom:
   ff.apply_rotary (checks, below) / ff.RotaryEmbedding (modules/positional.py)
-    -> torch.ops.fastformer.rotary (or the eager Function, see ops/_common.py)
-    -> backends.select(Call("rotary", ...))
+    -> ROTARY((x,), RotaryOptions(cos, sin, ...))    ops/_opdef.py (eager Function or the
+                                                     custom ops fastformer::rotary_fwd/_bwd)
+    -> backends.select(Call("rotary", ...))           the first Impl below that takes it
     -> _C.rotary (cpu: csrc/cpu/rotary.cpp) | triton_kernels/rotary.py | reference/rotary.py
 
 The math is in reference/rotary.py. Nothing is saved for the backward but the tables: the
@@ -11,33 +12,63 @@ rotation is orthogonal, so dx is the same kernel run on dy with the opposite ang
 """
 from __future__ import annotations
 
-import torch
+from typing import Optional
+
 from torch import Tensor
 
-from .. import _checks, _ext, backends
+from .. import _checks, backends
+from ..backends import EVERY_OPTION, GPU_FLOAT, Impl
 from ..reference import rotary as ref
-from ._common import needs_grad, rowwise, via_custom_op
+from ._opdef import OpDef, Options, compiled, options, rowwise
 
 
-def _call(x: Tensor, interleaved: bool) -> backends.Call:
-    features = set()
-    if interleaved:
-        features.add("interleaved")
-    if x.shape[-1] > 1 and x.stride(-1) != 1:
-        features.add("last_dim_strided")
-    return backends.Call("rotary", x.device.type, x.dtype, frozenset(features), head_dim=x.shape[-1])
+@options
+class RotaryOptions(Options):
+    """The options of one rotary call (csrc/options.h mirrors the fields)."""
+
+    cos: Optional[Tensor] = None   # (L, R/2) contiguous, fp32 (fp64 for fp64 x)
+    sin: Optional[Tensor] = None
+    interleaved: bool = False      # pairs (2i, 2i+1) instead of (i, i + R/2)
 
 
-# ---- backend implementations ----------------------------------------------------------------
-class _CompiledImpl:
-    @staticmethod
-    def run(x, cos, sin, interleaved, conj):
-        return _ext.C.rotary(x, cos, sin, interleaved, conj)
+def _call(inputs, o: RotaryOptions) -> backends.Call:
+    x, = inputs
+    features = frozenset({"last_dim_strided"}) if x.shape[-1] > 1 and x.stride(-1) != 1 else frozenset()
+    return backends.Call("rotary", x.device.type, x.dtype, o.set_fields(), features,
+                         head_dim=x.shape[-1])
 
 
-class _TritonImpl:
-    @staticmethod
-    def run(x, cos, sin, interleaved, conj):
+def _fake_fwd(x, o):
+    B, H, L, D = x.shape
+    return (x.new_empty((B, L, H, D)).transpose(1, 2),)
+
+
+ROTARY = OpDef("rotary", inputs=("x",), options=RotaryOptions, outputs=("out",), visible=1,
+               save=lambda inputs, o, outputs: (), fake_fwd=_fake_fwd,
+               fake_bwd=lambda grads, saved, o, needs: _fake_fwd(grads[0], o), call=_call)
+# every kernel takes both pair layouts and partial rotation (R < D)
+_OPTIONS = frozenset({"cos", "sin", "interleaved"})
+
+
+class _Rotation(Impl):
+    """fwd(x, o) = run(x, o, conj=False); the backward is the rotation by the opposite angle
+    (conj=True)."""
+
+    options = _OPTIONS
+
+    def fwd(self, x, o):
+        return (self.run(x, o, False),)
+
+    def bwd(self, grads, saved, o, needs):
+        return (self.run(rowwise(grads[0]), o, True),)
+
+
+@ROTARY.implementation
+class _Triton(_Rotation):
+    backend = "triton"
+    dtypes = GPU_FLOAT
+
+    def run(self, x, o, conj):
         import triton
 
         from ..triton_kernels import rotary as tk
@@ -49,69 +80,25 @@ class _TritonImpl:
         cfg = tk.config(D)
         tk.rotary_kernel[(triton.cdiv(rows, cfg["BLOCK_ROWS"]),)](
             x, x.stride(0), x.stride(1), x.stride(2), out, out.stride(0), out.stride(1),
-            out.stride(2), cos, sin, rows, H, L, D, cos.shape[1],
-            INTERLEAVED=interleaved, CONJ=conj, **cfg)
+            out.stride(2), o.cos, o.sin, rows, H, L, D, o.cos.shape[1],
+            INTERLEAVED=o.interleaved, CONJ=conj, **cfg)
         return out
 
 
-class _ReferenceImpl:
-    run = staticmethod(ref.rotary)
+@ROTARY.implementation
+class _Cpu(_Rotation):
+    backend = "cpu"
+    run = compiled("rotary")
 
 
-backends.register_impl("rotary", "reference", _ReferenceImpl)
-backends.register_impl("rotary", "triton", _TritonImpl)
-if _ext.C is not None and hasattr(_ext.C, "rotary"):
-    backends.register_impl("rotary", "cpu", _CompiledImpl)
+@ROTARY.implementation
+class _Reference(_Rotation):
+    backend = "reference"
+    options = EVERY_OPTION
+    features = frozenset({"last_dim_strided"})
 
-
-def _run(x, cos, sin, interleaved, conj, backend=None):
-    chosen = backends.select(_call(x, interleaved), backend)
-    return chosen, chosen.impls["rotary"].run(x, cos, sin, interleaved, conj)
-
-
-# ---- custom op (torch.compile / export route) ---------------------------------------------------
-@torch.library.custom_op("fastformer::rotary", mutates_args=())
-def rotary_op(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, conj: bool) -> Tensor:
-    return _run(x, cos, sin, interleaved, conj)[1]
-
-
-@rotary_op.register_fake
-def _(x, cos, sin, interleaved, conj):
-    B, H, L, D = x.shape
-    return x.new_empty((B, L, H, D)).transpose(1, 2)
-
-
-def _setup_context(ctx, inputs, output):
-    _, cos, sin, interleaved, conj = inputs
-    ctx.save_for_backward(cos, sin)
-    ctx.interleaved, ctx.conj = interleaved, conj
-
-
-def _op_backward(ctx, dy):
-    cos, sin = ctx.saved_tensors
-    return rotary_op(rowwise(dy), cos, sin, ctx.interleaved, not ctx.conj), None, None, None, None
-
-
-rotary_op.register_autograd(_op_backward, setup_context=_setup_context)
-
-
-class _RotaryFunction(torch.autograd.Function):
-    """Eager route: same implementations as the custom op, fewer dispatcher round trips."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin, interleaved, conj):
-        backend, out = _run(x, cos, sin, interleaved, conj)
-        ctx.save_for_backward(cos, sin)
-        ctx.interleaved, ctx.conj, ctx.backend = interleaved, conj, backend
-        ctx.dispatch = backends.last_dispatch()
-        return out
-
-    @staticmethod
-    def backward(ctx, dy):
-        cos, sin = ctx.saved_tensors
-        backends.record(ctx.dispatch)  # the forward's backend runs the backward
-        dx = ctx.backend.impls["rotary"].run(rowwise(dy), cos, sin, ctx.interleaved, not ctx.conj)
-        return dx, None, None, None, None
+    def run(self, x, o, conj):
+        return ref.rotary(x, o.cos, o.sin, o.interleaved, conj)
 
 
 # ---- public API ---------------------------------------------------------------------------
@@ -145,11 +132,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, *, interleaved: bool = Fal
                          f"{tuple(cos.shape)}")
     # The tables are (L, R/2), small next to x: copied only if a caller passes strided views.
     cos, sin = cos.contiguous(), sin.contiguous()
-    if via_custom_op(x, cos, sin):
-        return rotary_op(x, cos, sin, interleaved, False)
-    if needs_grad(x):
-        return _RotaryFunction.apply(x, cos, sin, interleaved, False)
-    return _run(x, cos, sin, interleaved, False)[1]
+    return ROTARY((x,), RotaryOptions(cos=cos, sin=sin, interleaved=interleaved))[0]
 
 
 __all__ = ["apply_rotary"]

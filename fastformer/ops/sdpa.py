@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import backends
-from .attention import CAUSAL_NONE, CAUSAL_TOP_LEFT, _attention, _check
+from .attention import CAUSAL_NONE, CAUSAL_TOP_LEFT, AttentionOptions, _check, run
 
 _torch_sdpa = F.scaled_dot_product_attention  # the original, kept before any patching
 
@@ -90,9 +90,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
             return _fallback("attn_mask of rank > 4", *args, **kwargs)
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return _fallback(f"dtype {query.dtype}", *args, **kwargs)
-    scale, dropout_p = _check(fn, q, k, v, mask, None, scale, float(dropout_p))
-    out = _attention(q, k, v, mask, None, CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, scale,
-                     dropout_p)
+    o = AttentionOptions(causal=CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, scale=scale,
+                         dropout_p=float(dropout_p), attn_mask=mask)
+    out = run(q, k, v, _check(fn, q, k, v, o))
     return out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],)) if lead else out
 
 

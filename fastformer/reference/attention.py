@@ -59,15 +59,16 @@ def _reduce_kv(t: Tensor, Hkv: int) -> Tensor:
     return t if H == Hkv else t.reshape(B, Hkv, H // Hkv, *t.shape[2:]).sum(2)
 
 
-def _probs(q, k, attn_mask, key_padding_mask, causal, scale):
+def _probs(q, k, o):
     """(P, lse) in the accumulation dtype; P rows of fully masked queries are 0."""
-    B, H, Lq, _ = q.shape
+    B, H, Lq, D = q.shape
     Lk = k.shape[2]
     acc = acc_dtype(q.dtype)
-    s = torch.matmul(q.to(acc), _expand_kv(k, H).to(acc).transpose(-1, -2)) * scale
+    s = torch.matmul(q.to(acc), _expand_kv(k, H).to(acc).transpose(-1, -2)) * o.scale_for(D)
+    attn_mask = o.attn_mask
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         s = s + attn_mask.to(acc)
-    allowed = allowed_mask(B, H, Lq, Lk, attn_mask, key_padding_mask, causal, q.device)
+    allowed = allowed_mask(B, H, Lq, Lk, attn_mask, o.key_padding_mask, o.causal, q.device)
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
@@ -78,40 +79,38 @@ def _probs(q, k, attn_mask, key_padding_mask, causal, scale):
     return p, lse
 
 
-def _dropout_scale(rng_state, shape, dropout_p, device, dtype):
-    keep = keep_mask(rng_state, shape, dropout_p, device=device)
-    return keep.to(dtype) / (1.0 - dropout_p)
+def _dropout_scale(o, shape, device, dtype):
+    keep = keep_mask(o.rng_state, shape, o.dropout_p, device=device)
+    return keep.to(dtype) / (1.0 - o.dropout_p)
 
 
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor],
-                  key_padding_mask: Optional[Tensor], causal: int, scale: float, dropout_p: float,
-                  rng_state: Optional[Tensor]):
-    """Returns (out (B, H, Lq, Dv) in q's dtype, lse (B, H, Lq) fp32 (fp64 for fp64 inputs))."""
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, o):
+    """o: ops/attention.py's AttentionOptions. Returns (out (B, H, Lq, Dv) in q's dtype,
+    lse (B, H, Lq) fp32 (fp64 for fp64 inputs))."""
     H = q.shape[1]
-    p, lse = _probs(q, k, attn_mask, key_padding_mask, causal, scale)
-    if dropout_p > 0:
-        p = p * _dropout_scale(rng_state, p.shape, dropout_p, q.device, p.dtype)
+    p, lse = _probs(q, k, o)
+    if o.dropout_p > 0:
+        p = p * _dropout_scale(o, p.shape, q.device, p.dtype)
     out = torch.matmul(p, _expand_kv(v, H).to(p.dtype))
     return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
 
-def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], causal: int,
-                  scale: float, dropout_p: float, rng_state: Optional[Tensor]):
+def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, o):
     """Returns (dq, dk, dv) in the input dtypes. Recomputes P (the saved lse is not needed by
     the reference, which recomputes it too; it is part of the interface of the kernels)."""
-    H, Hkv = q.shape[1], k.shape[1]
-    p, _ = _probs(q, k, attn_mask, key_padding_mask, causal, scale)
+    H, Hkv, D = q.shape[1], k.shape[1], q.shape[3]
+    p, _ = _probs(q, k, o)
     acc = p.dtype
     do = dout.to(acc)
     dp = torch.matmul(do, _expand_kv(v, H).to(acc).transpose(-1, -2))
     p_drop = p
-    if dropout_p > 0:
-        drop = _dropout_scale(rng_state, p.shape, dropout_p, q.device, acc)
+    if o.dropout_p > 0:
+        drop = _dropout_scale(o, p.shape, q.device, acc)
         dp = dp * drop
         p_drop = p * drop
     delta = (do * out.to(acc)).sum(-1, keepdim=True)
     ds = p * (dp - delta)
+    scale = o.scale_for(D)
     dq = torch.matmul(ds, _expand_kv(k, H).to(acc)) * scale
     dk = _reduce_kv(torch.matmul(ds.transpose(-1, -2), q.to(acc)) * scale, Hkv)
     dv = _reduce_kv(torch.matmul(p_drop.transpose(-1, -2), do), Hkv)

@@ -83,9 +83,10 @@ def _hidden(saved: Tensor, F_: int, gated: bool, code: int, drop: Optional[Tenso
 
 
 def ffn_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-            w_up: Optional[Tensor], b_up: Optional[Tensor], activation_code: int,
-            dropout_p: float, rng_state: Optional[Tensor], save_preactivation: bool):
-    """Returns (y shaped like x, saved: (N, F) or gated (N, 2F) in x's dtype, or empty)."""
+            w_up: Optional[Tensor], b_up: Optional[Tensor], o):
+    """o: ops/ffn.py's FfnOptions. Returns (y shaped like x, saved: (N, F) or gated (N, 2F) in
+    x's dtype when o.store_preactivation, else empty)."""
+    activation_code, dropout_p, rng_state = o.activation, o.dropout_p, o.rng_state
     acc = acc_dtype(x.dtype)
     D, F_ = x.shape[-1], w1.shape[0]
     xf = x.reshape(-1, D).to(acc)
@@ -96,14 +97,14 @@ def ffn_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optiona
     drop = _dropout_scale(rng_state, (xf.shape[0], F_), dropout_p, x.device, acc)
     hd, _, _ = _hidden(saved.to(acc), F_, w_up is not None, activation_code, drop)
     y = _linear(hd, w2, b2).to(x.dtype).reshape(x.shape)
-    return y, (saved if save_preactivation else x.new_empty((0,)))
+    return y, (saved if o.store_preactivation else x.new_empty((0,)))
 
 
 def ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, w_up: Optional[Tensor], saved: Tensor,
-            activation_code: int, dropout_p: float, rng_state: Optional[Tensor],
-            needs: tuple):
+            o, needs: tuple):
     """needs: 7 bools for (dx, dw1, db1, dw2, db2, dw_up, db_up). Returns those 7 gradients
     (empty tensors for the ones not asked for)."""
+    activation_code, dropout_p, rng_state = o.activation, o.dropout_p, o.rng_state
     acc = acc_dtype(x.dtype)
     D, F_ = x.shape[-1], w1.shape[0]
     gated = w_up is not None

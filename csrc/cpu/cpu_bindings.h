@@ -1,0 +1,483 @@
+// Torch-side glue of the CPU kernels, included by csrc/bindings.cpp: turns tensors and the
+// option structs (csrc/options.h) into the raw pointer / size / stride argument structs of
+// csrc/cpu/cpu_kernels.h, allocates outputs, releases the GIL and calls the kernel table
+// selected for the running CPU (kernels(), bindings.cpp). CPU tensors only: the Python
+// selection (fastformer/backends.py) decides the backend; csrc/cuda/cuda_bindings.h is the
+// CUDA twin.
+//
+// User-facing validation (ValueError/TypeError naming the argument) happens in Python
+// (fastformer/_checks.py); the TORCH_CHECKs here guard the kernels' own preconditions, which the
+// Python layer guarantees, so a failure here is a fastformer bug, not a user error.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+
+#include "cpu/cpu_kernels.h"
+#include "options.h"
+
+namespace fastformer {
+namespace cpu {
+const KernelTable& kernels();  // the table of the selected capability level (bindings.cpp)
+}  // namespace cpu
+
+namespace cpu_bindings {
+
+namespace py = pybind11;
+using at::Tensor;
+using std::optional;
+
+inline DType to_dtype(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::f32;
+    case at::kDouble: return DType::f64;
+    case at::kBFloat16: return DType::bf16;
+    case at::kHalf: return DType::f16;
+    default: TORCH_CHECK(false, "fastformer._C: unsupported dtype ", t.scalar_type());
+  }
+}
+
+inline at::ScalarType to_scalar_type(DType d) {
+  switch (d) {
+    case DType::f32: return at::kFloat;
+    case DType::f64: return at::kDouble;
+    case DType::bf16: return at::kBFloat16;
+    case DType::f16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+inline void check_cpu(const Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu(), "fastformer._C.", what, ": expected CPU tensors (the cuda_* "
+              "functions take CUDA tensors)");
+}
+
+// Rows of a tensor viewed as (rows, last_dim): coalesce leading dims where possible. Any
+// strides (row_layout() below requires a contiguous last dim).
+inline cpu::RowLayout leading_layout(const Tensor& t) {
+  TORCH_CHECK(t.dim() >= 1, "fastformer._C: expected at least one dimension");
+  cpu::RowLayout layout;
+  int64_t sizes[64], strides[64];
+  int n = 0;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) {
+    if (t.size(d) == 1) continue;  // size-1 dims never move the pointer
+    if (n > 0 && strides[n - 1] == t.stride(d) * t.size(d)) {
+      sizes[n - 1] *= t.size(d);
+      strides[n - 1] = t.stride(d);
+    } else {
+      sizes[n] = t.size(d);
+      strides[n] = t.stride(d);
+      ++n;
+    }
+  }
+  if (n == 0) {
+    layout.ndim = 1;
+    layout.sizes[0] = 1;
+    layout.strides[0] = 0;
+    return layout;
+  }
+  TORCH_CHECK(n <= cpu::kMaxDims, "fastformer._C: too many non-mergeable leading dims");
+  layout.ndim = n;
+  for (int i = 0; i < n; ++i) {
+    layout.sizes[i] = sizes[i];
+    layout.strides[i] = strides[i];
+  }
+  return layout;
+}
+
+inline cpu::RowLayout row_layout(const Tensor& t) {
+  TORCH_CHECK(t.dim() >= 1 && (t.stride(-1) == 1 || t.size(-1) <= 1 || t.numel() == 0),
+              "fastformer._C: last dimension must be contiguous");
+  return leading_layout(t);
+}
+
+inline const void* ptr_or_null(const optional<Tensor>& t) {
+  const Tensor* p = present(t);
+  return p ? p->data_ptr() : nullptr;
+}
+
+inline at::ScalarType stats_dtype(const Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// A tensor laid out as a contiguous copy of `shape` would be, in x's options.
+inline Tensor empty_rows(at::IntArrayRef shape, const Tensor& like) {
+  return at::empty(shape, like.options().memory_format(at::MemoryFormat::Contiguous));
+}
+
+// Releases the GIL around a kernel when this thread holds it: a call from Python does, the
+// autograd engine running a C++ node's backward (AddNormFunction) does not.
+class KernelGilRelease {
+ public:
+  KernelGilRelease() {
+    if (PyGILState_Check()) release_.emplace();
+  }
+
+ private:
+  std::optional<py::gil_scoped_release> release_;
+};
+
+// ---- add + norm -----------------------------------------------------------------------------
+inline std::vector<Tensor> add_norm_fwd(const Tensor& x, const optional<Tensor>& residual,
+                                        const optional<Tensor>& weight, const optional<Tensor>& bias,
+                                        const NormOptions& o) {
+  check_cpu(x, "add_norm_fwd");
+  const int64_t hidden = x.size(-1);
+  const int64_t rows = hidden == 0 ? 0 : x.numel() / hidden;
+  const Tensor* res = present(residual);
+  Tensor y = empty_rows(x.sizes(), x);
+  Tensor res_out = (o.return_residual && res) ? at::empty_like(y) : at::empty({0}, x.options());
+  auto stat_opts = x.options().dtype(stats_dtype(x));
+  Tensor mean = o.rms ? at::empty({0}, stat_opts) : at::empty({rows}, stat_opts);
+  Tensor rstd = at::empty({rows}, stat_opts);
+
+  cpu::NormFwdArgs a;
+  a.dtype = to_dtype(x);
+  a.param_dtype = weight.has_value() ? to_dtype(*weight) : (bias.has_value() ? to_dtype(*bias) : a.dtype);
+  a.rows = rows;
+  a.hidden = hidden;
+  a.eps = o.eps;
+  a.rms = o.rms;
+  a.x = x.data_ptr();
+  a.x_rows = row_layout(x);
+  if (res) {
+    a.residual = res->data_ptr();
+    a.residual_rows = row_layout(*res);
+  }
+  a.weight = ptr_or_null(weight);
+  a.bias = ptr_or_null(bias);
+  a.y = y.data_ptr();
+  a.residual_out = res_out.numel() ? res_out.data_ptr() : nullptr;
+  a.mean = o.rms ? nullptr : mean.data_ptr();
+  a.rstd = rstd.data_ptr();
+  if (rows > 0) {
+    KernelGilRelease no_gil;
+    cpu::kernels().add_norm_fwd(a);
+  }
+  return {y, res_out, mean, rstd};
+}
+
+inline std::vector<Tensor> add_norm_bwd(const Tensor& dy, const optional<Tensor>& dresidual_out,
+                                        const Tensor& z_a, const optional<Tensor>& z_b,
+                                        const optional<Tensor>& weight, const Tensor& mean,
+                                        const Tensor& rstd, bool rms, bool need_dweight,
+                                        bool need_dbias, int64_t param_dtype_code) {
+  check_cpu(dy, "add_norm_bwd");
+  const int64_t hidden = z_a.size(-1);
+  const int64_t rows = hidden == 0 ? 0 : z_a.numel() / hidden;
+  const DType param_dtype = static_cast<DType>(param_dtype_code);
+  Tensor dz = empty_rows(z_a.sizes(), z_a);
+  auto p_opts = z_a.options().dtype(to_scalar_type(param_dtype));
+  Tensor dweight = need_dweight ? at::empty({hidden}, p_opts) : at::empty({0}, p_opts);
+  Tensor dbias = need_dbias ? at::empty({hidden}, p_opts) : at::empty({0}, p_opts);
+
+  cpu::NormBwdArgs a;
+  a.dtype = to_dtype(z_a);
+  a.param_dtype = param_dtype;
+  a.rows = rows;
+  a.hidden = hidden;
+  a.rms = rms;
+  a.dy = dy.data_ptr();
+  a.dy_rows = row_layout(dy);
+  if (const Tensor* d = present(dresidual_out)) {
+    a.dresidual_out = d->data_ptr();
+    a.dresidual_out_rows = row_layout(*d);
+  }
+  a.z_a = z_a.data_ptr();
+  a.z_a_rows = row_layout(z_a);
+  if (const Tensor* b = present(z_b)) {
+    a.z_b = b->data_ptr();
+    a.z_b_rows = row_layout(*b);
+  }
+  a.weight = ptr_or_null(weight);
+  a.mean = rms ? nullptr : mean.data_ptr();
+  a.rstd = rstd.data_ptr();
+  a.dz = dz.data_ptr();
+  a.dweight = need_dweight ? dweight.data_ptr() : nullptr;
+  a.dbias = need_dbias ? dbias.data_ptr() : nullptr;
+  {
+    KernelGilRelease no_gil;
+    cpu::kernels().add_norm_bwd(a);
+  }
+  return {dz, dweight, dbias};
+}
+
+// A gradient with a contiguous last dim (autograd may hand over an expanded, stride-0 one).
+inline Tensor rowwise(const Tensor& t) {
+  if (!t.defined() || t.dim() == 0 || t.stride(-1) == 1 || t.size(-1) <= 1) return t;
+  return t.contiguous();
+}
+
+inline optional<Tensor> defined_or_none(const Tensor& t) {
+  return t.defined() ? optional<Tensor>(t) : std::nullopt;
+}
+
+// add + norm as a C++ autograd node: the eager route of ff.add_layer_norm / layer_norm /
+// rms_norm on the cpu backend (ops/norm.py, _Cpu.autograd). Same saved tensors, kernels and
+// gradients as the shared autograd.Function (ops/_opdef.py), which the other backends use;
+// what it removes is that Function's per-call Python cost, ~0.1-0.2 ms per forward+backward on
+// a 2-core VM: as much as the kernels themselves at (512, 768).
+struct AddNormFunction : public torch::autograd::Function<AddNormFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, Tensor x,
+                                                optional<Tensor> residual, optional<Tensor> weight,
+                                                optional<Tensor> bias, NormOptions o) {
+    std::vector<Tensor> out = add_norm_fwd(x, residual, weight, bias, o);
+    const bool has_res = present(residual) != nullptr;
+    const bool keeps_res_out = has_res && o.return_residual;
+    // z = x + residual is recomputed from what the caller keeps anyway: the returned residual
+    // stream, else x and residual.
+    const Tensor z_a = keeps_res_out ? out[1] : x;
+    const Tensor z_b = (has_res && !keeps_res_out) ? *residual : Tensor();
+    const Tensor w = weight.has_value() ? *weight : Tensor();
+    ctx->save_for_backward({z_a, z_b, w, out[2], out[3]});
+    const bool has_bias = present(bias) != nullptr;
+    const Tensor& params = w.defined() ? w : (has_bias ? *bias : x);
+    ctx->saved_data["rms"] = o.rms;
+    ctx->saved_data["has_res"] = has_res;
+    ctx->saved_data["has_bias"] = has_bias;
+    ctx->saved_data["keeps_res_out"] = keeps_res_out;
+    ctx->saved_data["param_dtype"] = static_cast<int64_t>(to_dtype(params));
+    return {out[0], out[1]};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor &z_a = saved[0], &z_b = saved[1], &weight = saved[2];
+    const bool has_res = ctx->saved_data["has_res"].toBool();
+    // needs_input_grad counts tensor inputs only (absent optional ones have no edge).
+    const int64_t weight_edge = has_res ? 2 : 1;
+    const int64_t bias_edge = weight_edge + (weight.defined() ? 1 : 0);
+    const bool need_dw = weight.defined() && ctx->needs_input_grad(weight_edge);
+    const bool need_db = ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(bias_edge);
+    Tensor dres_out = grads[1];
+    if (dres_out.defined() && (!ctx->saved_data["keeps_res_out"].toBool() || dres_out.numel() == 0))
+      dres_out = Tensor();
+    std::vector<Tensor> g = add_norm_bwd(
+        rowwise(grads[0]), defined_or_none(rowwise(dres_out)), z_a, defined_or_none(z_b),
+        defined_or_none(weight), saved[3], saved[4], ctx->saved_data["rms"].toBool(), need_dw,
+        need_db, ctx->saved_data["param_dtype"].toInt());
+    return {g[0], has_res ? g[0] : Tensor(), need_dw ? g[1] : Tensor(),
+            need_db ? g[2] : Tensor(), Tensor()};
+  }
+};
+
+inline std::vector<Tensor> add_norm_autograd(const Tensor& x, const optional<Tensor>& residual,
+                                             const optional<Tensor>& weight,
+                                             const optional<Tensor>& bias, const NormOptions& o) {
+  return AddNormFunction::apply(x, residual, weight, bias, o);
+}
+
+// ---- attention --------------------------------------------------------------------------------
+inline cpu::View4 view4(const Tensor& t) {
+  TORCH_CHECK(t.dim() == 4, "fastformer._C: expected a 4-D tensor");
+  cpu::View4 v;
+  v.ptr = t.data_ptr();
+  for (int i = 0; i < 4; ++i) v.s[i] = t.stride(i);
+  return v;
+}
+
+// The kernels' arguments of a call: sizes and views of q, k, v and every option.
+inline cpu::AttnArgs attn_args(const Tensor& q, const Tensor& k, const Tensor& v,
+                               const AttentionOptions& o) {
+  check_cpu(q, "attention");
+  for (const Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->size(3) <= 1 || t->stride(3) == 1, "fastformer._C: last dim must be contiguous");
+  cpu::AttnArgs a;
+  a.dtype = to_dtype(q);
+  a.B = q.size(0); a.H = q.size(1); a.Lq = q.size(2); a.D = q.size(3);
+  a.Hkv = k.size(1); a.Lk = k.size(2); a.Dv = v.size(3);
+  a.q = view4(q); a.k = view4(k); a.v = view4(v);
+  if (const Tensor* m = present(o.attn_mask)) {
+    a.attn_mask = view4(*m);
+    a.mask_is_bool = m->scalar_type() == at::kBool;
+    if (!a.mask_is_bool) a.mask_dtype = to_dtype(*m);
+  }
+  if (const Tensor* kpm = present(o.key_padding_mask)) {
+    a.key_padding_mask = kpm->data_ptr<bool>();
+    a.kpm_s[0] = kpm->stride(0);
+    a.kpm_s[1] = kpm->stride(1);
+  }
+  a.causal = static_cast<int32_t>(o.causal);
+  a.scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(a.D)));
+  a.dropout_p = o.dropout_p;
+  std::tie(a.seed, a.offset) = seed_offset(o.rng_state);
+  return a;
+}
+
+inline std::vector<Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                         const AttentionOptions& o) {
+  cpu::AttnArgs a = attn_args(q, k, v, o);
+  // (B, H, Lq, Dv) stored as (B, Lq, H, Dv): the head merge that follows is a free reshape.
+  Tensor out = at::empty({a.B, a.Lq, a.H, a.Dv}, q.options()).transpose(1, 2);
+  Tensor lse = at::empty({a.B, a.H, a.Lq}, q.options().dtype(stats_dtype(q)));
+  a.out = view4(out);
+  a.lse = lse.data_ptr();
+  if (out.numel() > 0 || lse.numel() > 0) {
+    if (a.Lk == 0) {
+      out.zero_();
+      lse.fill_(std::numeric_limits<double>::infinity());
+    } else {
+      py::gil_scoped_release no_gil;
+      cpu::kernels().attention_fwd(a);
+    }
+  }
+  return {out, lse};
+}
+
+inline std::vector<Tensor> attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
+                                         const Tensor& v, const Tensor& out, const Tensor& lse,
+                                         const AttentionOptions& o) {
+  TORCH_CHECK(dout.size(3) <= 1 || dout.stride(3) == 1, "fastformer._C: dout last dim must be contiguous");
+  cpu::AttnArgs a = attn_args(q, k, v, o);
+  Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
+  a.out = view4(out);
+  a.lse = const_cast<void*>(lse.data_ptr());
+  a.dout = view4(dout);
+  a.dq = view4(dq); a.dk = view4(dk); a.dv = view4(dv);
+  if (a.Lq == 0 || a.Lk == 0) {
+    dq.zero_(); dk.zero_(); dv.zero_();
+  } else if (q.numel() + k.numel() > 0) {
+    py::gil_scoped_release no_gil;
+    cpu::kernels().attention_bwd(a);
+  }
+  return {dq, dk, dv};
+}
+
+// ---- rotary position embedding ----------------------------------------------------------------
+// conj: rotate by -theta (the backward).
+inline Tensor rotary(const Tensor& x, const RotaryOptions& o, bool conj) {
+  check_cpu(x, "rotary");
+  TORCH_CHECK(x.dim() == 4 && (x.size(3) <= 1 || x.stride(3) == 1),
+              "fastformer._C.rotary: x must be 4-D with a contiguous last dim");
+  const Tensor* cos = present(o.cos);
+  const Tensor* sin = present(o.sin);
+  TORCH_CHECK(cos && sin && cos->is_contiguous() && sin->is_contiguous() &&
+                  cos->sizes() == sin->sizes() && cos->dim() == 2 && cos->size(0) == x.size(2) &&
+                  2 * cos->size(1) <= x.size(3) && cos->scalar_type() == stats_dtype(x) &&
+                  sin->scalar_type() == stats_dtype(x),
+              "fastformer._C.rotary: cos and sin must be contiguous (L, R/2) tables in the "
+              "accumulation dtype");
+  cpu::RotaryArgs a;
+  a.dtype = to_dtype(x);
+  a.B = x.size(0); a.H = x.size(1); a.L = x.size(2); a.D = x.size(3);
+  a.rot_dim = 2 * cos->size(1);
+  // (B, H, L, D) stored as (B, L, H, D), the layout of the projection the heads come from.
+  Tensor out = at::empty({a.B, a.L, a.H, a.D}, x.options()).transpose(1, 2);
+  a.x = view4(x);
+  a.out = view4(out);
+  a.cos = cos->data_ptr();
+  a.sin = sin->data_ptr();
+  a.interleaved = o.interleaved;
+  a.conj = conj;
+  if (out.numel() > 0) {
+    py::gil_scoped_release no_gil;
+    cpu::kernels().rotary(a);
+  }
+  return out;
+}
+
+// ---- feed-forward ---------------------------------------------------------------------------
+// (..., cols) tensor as a matrix: rows by leading_layout, any column stride.
+inline cpu::MatView matrix_view(const Tensor& t) {
+  cpu::MatView v;
+  v.ptr = t.data_ptr();
+  v.rows = leading_layout(t);
+  v.col_stride = t.size(-1) <= 1 ? 1 : t.stride(-1);
+  return v;
+}
+
+inline cpu::FfnArgs ffn_args(const Tensor& x, const Tensor& w1, const Tensor& w2,
+                             const optional<Tensor>& w_up, const FfnOptions& o) {
+  check_cpu(x, "ffn");
+  TORCH_CHECK(o.activation >= 0 && o.activation <= 3, "fastformer._C ffn: activation code must be 0..3");
+  cpu::FfnArgs a;
+  a.dtype = to_dtype(x);
+  a.activation = static_cast<int32_t>(o.activation);
+  a.gated = present(w_up) != nullptr;
+  a.d_model = x.size(-1);
+  a.tokens = a.d_model == 0 ? 0 : x.numel() / a.d_model;
+  a.hidden = w1.size(0);
+  TORCH_CHECK(w1.dim() == 2 && w1.size(1) == a.d_model && w2.dim() == 2 &&
+              w2.size(0) == a.d_model && w2.size(1) == a.hidden,
+              "fastformer._C ffn: weight shapes do not match");
+  a.dropout_p = o.dropout_p;
+  std::tie(a.seed, a.offset) = seed_offset(o.rng_state);
+  a.x = matrix_view(x);
+  a.w1 = matrix_view(w1);
+  a.w2 = matrix_view(w2);
+  if (a.gated) a.w_up = matrix_view(*w_up);
+  return a;
+}
+
+// Returns {y, saved}: saved is the pre-activation (tokens, hidden) (gated: (tokens, 2 * hidden)
+// as [gate | up]) when o.store_preactivation, else empty.
+inline std::vector<Tensor> ffn_fwd(const Tensor& x, const Tensor& w1, const optional<Tensor>& b1,
+                                   const Tensor& w2, const optional<Tensor>& b2,
+                                   const optional<Tensor>& w_up, const optional<Tensor>& b_up,
+                                   const FfnOptions& o) {
+  cpu::FfnArgs a = ffn_args(x, w1, w2, w_up, o);
+  a.b1 = ptr_or_null(b1);
+  a.b2 = ptr_or_null(b2);
+  a.b_up = a.gated ? ptr_or_null(b_up) : nullptr;
+  Tensor y = empty_rows(x.sizes(), x);
+  const bool save = o.store_preactivation;
+  const int64_t width = a.gated && save ? 2 * a.hidden : a.hidden;
+  Tensor hidden = at::empty({a.tokens, width}, x.options());
+  a.y = y.data_ptr();
+  a.hidden_buf = hidden.data_ptr();
+  a.store_preactivation = save;
+  if (a.tokens > 0) {
+    py::gil_scoped_release no_gil;
+    cpu::kernels().ffn_fwd(a);
+  }
+  return {y, save ? hidden : at::empty({0}, x.options())};
+}
+
+// Returns {dx, dw1, db1, dw2, db2, dw_up, db_up}; those not asked for are empty.
+inline std::vector<Tensor> ffn_bwd(const Tensor& dy, const Tensor& x, const Tensor& w1,
+                                   const Tensor& w2, const optional<Tensor>& w_up,
+                                   const Tensor& saved, const FfnOptions& o, bool need_dx,
+                                   bool need_dw1, bool need_db1, bool need_dw2, bool need_db2,
+                                   bool need_dw_up, bool need_db_up) {
+  cpu::FfnArgs a = ffn_args(x, w1, w2, w_up, o);
+  TORCH_CHECK(dy.sizes() == x.sizes(), "fastformer._C.ffn_bwd: dy must have x's shape");
+  TORCH_CHECK(saved.is_contiguous() && saved.numel() == a.tokens * a.hidden * (a.gated ? 2 : 1),
+              "fastformer._C.ffn_bwd: saved must be the forward's contiguous pre-activation");
+  const auto opts = x.options();
+  auto maybe = [&](bool need, at::IntArrayRef shape) {
+    return need ? at::empty(shape, opts) : at::empty({0}, opts);
+  };
+  const int64_t D = a.d_model, F = a.hidden;
+  Tensor dx = need_dx ? empty_rows(x.sizes(), x) : at::empty({0}, opts);
+  Tensor dw1 = maybe(need_dw1, {F, D}), db1 = maybe(need_db1, {F});
+  Tensor dw2 = maybe(need_dw2, {D, F}), db2 = maybe(need_db2, {D});
+  Tensor dw_up = maybe(a.gated && need_dw_up, {F, D}), db_up = maybe(a.gated && need_db_up, {F});
+  const bool need_hidden = need_dx || need_dw1 || need_db1 || (a.gated && (need_dw_up || need_db_up));
+  Tensor d_hidden = maybe(need_hidden, {a.tokens, a.gated ? 2 * F : F});
+  a.dy = matrix_view(dy);
+  a.saved = saved.data_ptr();
+  a.d_hidden = need_hidden ? d_hidden.data_ptr() : nullptr;
+  auto ptr = [](bool need, Tensor& t) { return need ? t.data_ptr() : nullptr; };
+  a.dx = ptr(need_dx, dx);
+  a.dw1 = ptr(need_dw1, dw1);
+  a.db1 = ptr(need_db1, db1);
+  a.dw2 = ptr(need_dw2, dw2);
+  a.db2 = ptr(need_db2, db2);
+  a.dw_up = ptr(a.gated && need_dw_up, dw_up);
+  a.db_up = ptr(a.gated && need_db_up, db_up);
+  {
+    py::gil_scoped_release no_gil;
+    cpu::kernels().ffn_bwd(a);
+  }
+  return {dx, dw1, db1, dw2, db2, dw_up, db_up};
+}
+
+}  // namespace cpu_bindings
+}  // namespace fastformer
