@@ -41,302 +41,400 @@ using namespace attn;
 
 constexpr int64_t kMinTasks = 8;  // split keys into chunks until B * Hkv * chunks >= this
 
+// What every task of a call shares.
 template <typename T>
-void attention_bwd_typed(const AttnArgs& a) {
+struct BwdCall {
   using A = acc_t<T>;
   using V = Vectorized<A>;
-  constexpr int64_t kV = V::size();
-  constexpr int64_t NR = MicroShape<A>::kNR;
-  const Shape<A> sh(a);
-  // bf16 on AMX: S = Q K^T and dP = dO V^T from the bf16 inputs (S as the forward computes it),
-  // and dQ += dS K with dS rounded to bf16 (as FlashAttention does), on the tiles (amx_bf16.h);
-  // dV and dK on the fp32 micro-kernel as below.
-  const bool amx = std::is_same_v<T, c10::BFloat16> && use_amx_bf16();
-  TORCH_INTERNAL_ASSERT(!amx || sh.D_amx == sh.D_pad, "AMX dQ tiles write rows D_pad wide");
-
-  const int64_t n_chunks = std::clamp<int64_t>((kMinTasks + sh.B * sh.Hkv - 1) / (sh.B * sh.Hkv), 1, sh.n_kb);
-  const int64_t kb_per_chunk = (sh.n_kb + n_chunks - 1) / n_chunks;
-  const int64_t dq_head = (sh.Lq + kRowSlack) * sh.D_pad;
+  const AttnArgs& a;
+  const Shape<A> sh;
+  const int64_t n_chunks, kb_per_chunk;
+  const int64_t dq_head;      // rows of one head's dQ accumulator: (Lq + kRowSlack) * D_pad
   // One chunk: a task sees every key of its heads, so it writes their dQ itself from one
   // per-thread accumulator. Several: fp32 partials per chunk, summed after all tasks.
-  const bool task_owns_dq = n_chunks == 1;
-  A* const dq_part = task_owns_dq ? nullptr : thread_scratch<A, Scratch::kBwdDqPartials>(n_chunks * sh.B * sh.H * dq_head);
-  if (!task_owns_dq) std::fill(dq_part, dq_part + n_chunks * sh.B * sh.H * dq_head, A(0));
+  const bool task_owns_dq;
+  A* dq_part = nullptr;       // the partials (several chunks)
+  const uint32_t threshold;   // dropout
+  const A drop_scale;         // 1 / (1 - p)
+  const A* const lse;
+  const A score_mul;          // scores in log2 units, see score_row
+
+  explicit BwdCall(const AttnArgs& args)
+      : a(args), sh(args),
+        n_chunks(std::clamp<int64_t>((kMinTasks + sh.B * sh.Hkv - 1) / (sh.B * sh.Hkv), 1, sh.n_kb)),
+        kb_per_chunk((sh.n_kb + n_chunks - 1) / n_chunks), dq_head((sh.Lq + kRowSlack) * sh.D_pad),
+        task_owns_dq(n_chunks == 1), threshold(args.dropout_p > 0 ? dropout_threshold(args.dropout_p) : 0),
+        drop_scale(args.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - args.dropout_p) : A(1)),
+        lse(static_cast<const A*>(args.lse)), score_mul(static_cast<A>(args.scale * kLog2e)) {
+    if (!task_owns_dq) {
+      dq_part = thread_scratch<A, Scratch::kBwdDqPartials>(n_chunks * sh.B * sh.H * dq_head);
+      std::fill(dq_part, dq_part + n_chunks * sh.B * sh.H * dq_head, A(0));
+    }
+  }
+
   // dQ row i of head bh = scale * (the sum of `parts` partial rows part[c * part_stride], in order).
-  const V dq_scale(static_cast<A>(a.scale));
-  auto store_dq_row = [&](int64_t bh, int64_t i, const A* part, int64_t part_stride, int64_t parts) {
+  void store_dq_row(int64_t bh, int64_t i, const A* part, int64_t part_stride, int64_t parts) const {
+    constexpr int64_t kV = V::size();
+    const V dq_scale(static_cast<A>(a.scale));
     T* dq_row = const_cast<T*>(row_ptr<T>(a.dq, bh / sh.H, bh % sh.H, i));
     for (int64_t d = 0; d < sh.D; d += kV) {
       V sum = V::loadu(part + d);
       for (int64_t c = 1; c < parts; ++c) sum = sum + V::loadu(part + c * part_stride + d);
       store_acc(dq_row + d, sum * dq_scale, std::min(kV, sh.D - d));
     }
-  };
+  }
+};
 
-  const uint32_t threshold = a.dropout_p > 0 ? dropout_threshold(a.dropout_p) : 0;
-  const A drop_scale = a.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - a.dropout_p) : A(1);
-  const A* const lse = static_cast<const A*>(a.lse);
-  const A score_mul = static_cast<A>(a.scale * kLog2e);  // scores in log2 units, see score_row
-  constexpr int64_t s_ld = kScoreLd;
+// The keys of one task: key blocks [kb0, kb1) of kv head (b, hkv).
+struct TaskKeys {
+  int64_t b, hkv, chunk, kb0, kb1, key0, n_keys;
+};
 
-  const double flops = 2.5 * 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
-  parallel_tasks(sh.B * sh.Hkv * n_chunks, flops, [&](int64_t task) {
-    const int64_t chunk = task % n_chunks, bhkv = task / n_chunks;
-    const int64_t b = bhkv / sh.Hkv, hkv = bhkv % sh.Hkv;
-    const int64_t kb0 = chunk * kb_per_chunk, kb1 = std::min(sh.n_kb, kb0 + kb_per_chunk);
-    if (kb0 >= kb1) return;
-    const AmxTiles tiles(amx);
-    const int64_t key0 = kb0 * kBlockK, n_chunk_keys = std::min(sh.Lk, kb1 * kBlockK) - key0;
-    const int64_t q_rows = sh.Lq + kRowSlack;
-    constexpr int64_t MR = MicroShape<A>::kMR;
-    const int64_t q_pk_block = kQBlockRows<A> * sh.D, do_pk_block = kQBlockRows<A> * sh.Dv;
-    A* const q_pk = amx ? nullptr : thread_scratch<A, Scratch::kBwdQPanels>(sh.n_qb * q_pk_block);    // Q, MR-row panels (A operand)
-    A* const do_pk = amx ? nullptr : thread_scratch<A, Scratch::kBwdDoPanels>(sh.n_qb * do_pk_block);  // dO, MR-row panels
-    // AMX operands (see the top of the function): Q and dO's bf16 rows (A of S and dP; zero rows
-    // past Lq, qt_cols of them) and their transposes (A of dK^T and dV^T; zero columns past Lq,
-    // a query block's 32-rounded range within qt_cols); P' and dS rounded to bf16 (rows of
-    // kBlockK, zero rows up to a multiple of 32) and interleaved in query pairs; dK^T and dV^T
-    // accumulators (keys_ld columns: the chunk's key blocks).
-    const int64_t qt_cols = round_up_to(sh.Lq, 16) + 32, keys_ld = (kb1 - kb0) * kBlockK;
-    constexpr int64_t kQBlockRows32 = (kBlockQ + 31) / 32 * 32;
-    c10::BFloat16 *q_bf16 = nullptr, *do_bf16 = nullptr, *qt_bf16 = nullptr, *dot_bf16 = nullptr;
-    c10::BFloat16 *p_bf16 = nullptr, *ds_bf16 = nullptr;
-    uint32_t *p_pairs = nullptr, *ds_pairs = nullptr, *t_words = nullptr;
-    A *dkt_acc = nullptr, *dvt_acc = nullptr;
-    if (amx) {
-      q_bf16 = thread_scratch<c10::BFloat16, Scratch::kBwdQBf16>(qt_cols * sh.D_amx);
-      do_bf16 = thread_scratch<c10::BFloat16, Scratch::kBwdDoBf16>(qt_cols * sh.Dv_amx);
-      qt_bf16 = thread_scratch<c10::BFloat16, Scratch::kBwdQtBf16>(sh.D_amx * qt_cols);
-      dot_bf16 = thread_scratch<c10::BFloat16, Scratch::kBwdDotBf16>(sh.Dv_amx * qt_cols);
-      t_words = thread_scratch<uint32_t, Scratch::kBwdTransposeWords>(qt_cols * std::max(sh.D_amx, sh.Dv_amx) / 2);
-      p_bf16 = thread_scratch<c10::BFloat16, Scratch::kBwdPBf16>(kQBlockRows32 * kBlockK);
-      ds_bf16 = thread_scratch<c10::BFloat16, Scratch::kBwdDsBf16>(kQBlockRows32 * kBlockK);
-      p_pairs = thread_scratch<uint32_t, Scratch::kBwdPPairs>(kQBlockRows32 * kBlockK / 2);
-      ds_pairs = thread_scratch<uint32_t, Scratch::kBwdDsPairs>(kQBlockRows32 * kBlockK / 2);
-      dkt_acc = thread_scratch<A, Scratch::kBwdDktAcc>(sh.D_amx * keys_ld);
-      dvt_acc = thread_scratch<A, Scratch::kBwdDvtAcc>(sh.Dv_amx * keys_ld);
-      std::fill(dkt_acc, dkt_acc + sh.D_amx * keys_ld, A(0));
-      std::fill(dvt_acc, dvt_acc + sh.Dv_amx * keys_ld, A(0));
-      std::fill(q_bf16 + q_rows * sh.D_amx, q_bf16 + qt_cols * sh.D_amx, c10::BFloat16(0.0f));
-      std::fill(do_bf16 + q_rows * sh.Dv_amx, do_bf16 + qt_cols * sh.Dv_amx, c10::BFloat16(0.0f));
-    }
+// dK = scale * dS^T Q, dV as accumulated: rows [j0, j0 + n) of the task's keys from fp32
+// accumulator rows (dk_rows / dv_rows, row strides D_pad / Dv_pad, row 0 = key j0).
+template <typename T>
+void store_key_rows(const BwdCall<T>& c, const TaskKeys& t, int64_t j0, int64_t n, const acc_t<T>* dk_rows,
+                    const acc_t<T>* dv_rows) {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  constexpr int64_t kV = V::size();
+  const Shape<A>& sh = c.sh;
+  const V scale_v(static_cast<A>(c.a.scale));
+  for (int64_t j = 0; j < n; ++j) {
+    T* dk_row = const_cast<T*>(row_ptr<T>(c.a.dk, t.b, t.hkv, t.key0 + j0 + j));
+    T* dv_row = const_cast<T*>(row_ptr<T>(c.a.dv, t.b, t.hkv, t.key0 + j0 + j));
+    for (int64_t d = 0; d < sh.D; d += kV)
+      store_acc(dk_row + d, V::loadu(dk_rows + j * sh.D_pad + d) * scale_v, std::min(kV, sh.D - d));
+    for (int64_t d = 0; d < sh.Dv; d += kV)
+      store_acc(dv_row + d, V::loadu(dv_rows + j * sh.Dv_pad + d), std::min(kV, sh.Dv - d));
+  }
+}
+
+// The GEMMs of a task on the fp32 micro-kernel (every dtype; bf16 without AMX). Q and dO of the
+// current head in MR-row panels (A operands of S and dP, one block of kQBlockRows per query
+// block) and column panels (B operands of dK and dV); K^T, V^T and K of the task's key blocks
+// packed (Packed); dK, dV accumulated in fp32 rows of the task's keys.
+template <typename T>
+struct Fp32Grads {
+  using A = acc_t<T>;
+  static constexpr int64_t MR = MicroShape<A>::kMR, NR = MicroShape<A>::kNR;
+  const Shape<A>& sh;
+  const int64_t q_rows, q_pk_block, do_pk_block;
+  A* const q_pk;      // Q, MR-row panels (A operand)
+  A* const do_pk;     // dO, MR-row panels
+  A* const q_stage;   // one MR-row panel's Q rows
+  A* const q_p;       // Q, column panels (B operand)
+  A* const do_p;      // dO, column panels
+  A* const dk_acc;
+  A* const dv_acc;
+  Packed<A> packing;  // the task's key blocks (see Packed); read-only below
+
+  Fp32Grads(const BwdCall<T>& c, const TaskKeys& t)
+      : sh(c.sh), q_rows(sh.Lq + kRowSlack), q_pk_block(kQBlockRows<A> * sh.D), do_pk_block(kQBlockRows<A> * sh.Dv),
+        q_pk(thread_scratch<A, Scratch::kBwdQPanels>(sh.n_qb * q_pk_block)),
+        do_pk(thread_scratch<A, Scratch::kBwdDoPanels>(sh.n_qb * do_pk_block)),
+        q_stage(thread_scratch<A, Scratch::kBwdQStage>(MR * sh.D_pad)),
+        q_p(thread_scratch<A, Scratch::kBwdQCols>(q_rows * sh.D_pad)),
+        do_p(thread_scratch<A, Scratch::kBwdDoCols>(q_rows * sh.Dv_pad)),
+        dk_acc(thread_scratch<A, Scratch::kBwdDkAcc>((t.n_keys + kRowSlack) * sh.D_pad)),
+        dv_acc(thread_scratch<A, Scratch::kBwdDvAcc>((t.n_keys + kRowSlack) * sh.Dv_pad)),
+        packing(sh, 1, t.kb1 - t.kb0, /*backward=*/true, false) {
     static_assert(kBlockQ % MR == 0 && MR <= kRowSlack, "query blocks are whole panels, the last one within the slack rows");
-    A* const q_stage = thread_scratch<A, Scratch::kBwdQStage>(MR * sh.D_pad);    // one MR-row panel's rows
-    A* const do_stage = thread_scratch<A, Scratch::kBwdDoStage>(MR * sh.Dv_pad);
-    A* const q_p = amx ? nullptr : thread_scratch<A, Scratch::kBwdQCols>(q_rows * sh.D_pad);    // Q, column panels (B operand)
-    A* const do_p = amx ? nullptr : thread_scratch<A, Scratch::kBwdDoCols>(q_rows * sh.Dv_pad);  // dO, column panels
-    A* const dk_acc = thread_scratch<A, Scratch::kBwdDkAcc>((n_chunk_keys + kRowSlack) * sh.D_pad);
-    A* const dv_acc = thread_scratch<A, Scratch::kBwdDvAcc>((n_chunk_keys + kRowSlack) * sh.Dv_pad);
-    A* const p_tile = thread_scratch<A, Scratch::kBwdP>((kBlockQ + kRowSlack) * s_ld);
-    A* const ds_tile = thread_scratch<A, Scratch::kBwdDs>((kBlockQ + kRowSlack) * s_ld);
-    A* const pd_tile = threshold ? thread_scratch<A, Scratch::kBwdPDropped>((kBlockQ + kRowSlack) * s_ld) : p_tile;
-    A* const bias = thread_scratch<A, Scratch::kBwdBias>(sh.Bk_pad);
-    A* const delta_h = thread_scratch<A, Scratch::kBwdDelta>(sh.Lq);  // delta of the current head
-    A* const dq_own = task_owns_dq ? thread_scratch<A, Scratch::kBwdDqOwn>(dq_head) : nullptr;
-    // This task's key blocks, packed into its thread's buffers (see Packed); read-only below.
-    Packed<A> packing(sh, 1, kb1 - kb0, /*backward=*/true, amx);
-    for (int64_t kb = kb0; kb < kb1; ++kb) pack_kv_block<T, A>(a, sh, packing, b, hkv, kb, 0, kb - kb0);
-    const Packed<A>& pk = packing;
+    for (int64_t kb = t.kb0; kb < t.kb1; ++kb) pack_kv_block<T, A>(c.a, sh, packing, t.b, t.hkv, kb, 0, kb - t.kb0);
     // Accumulators: only the chunk's rows are read or written (GEMMs store valid rows only).
-    if (!amx) {
-      std::fill(dk_acc, dk_acc + n_chunk_keys * sh.D_pad, A(0));
-      std::fill(dv_acc, dv_acc + n_chunk_keys * sh.Dv_pad, A(0));
-    }
+    std::fill(dk_acc, dk_acc + t.n_keys * sh.D_pad, A(0));
+    std::fill(dv_acc, dv_acc + t.n_keys * sh.Dv_pad, A(0));
+  }
 
-    // Every head rewrites the packed Q / dO panels a tile reads (rows past Lq from zero rows).
-    for (int64_t g = 0; g < sh.G; ++g) {
-      const int64_t h = hkv * sh.G + g;
-      for (int64_t i = 0; i < q_rows; ++i) {
-        A* const q_i = q_stage + (i % MR) * sh.D_pad;
-        A* const do_i = do_stage + (i % MR) * sh.Dv_pad;
-        if (i < sh.Lq) {
-          if (!amx) load_row(row_ptr<T>(a.q, b, h, i), sh.D, sh.D_pad, q_i);  // AMX: bf16 below
-          load_row(row_ptr<T>(a.dout, b, h, i), sh.Dv, sh.Dv_pad, do_i);
-          // delta_i = sum_d dO_id O_id, O read in place (dO's padding columns are zero)
-          const T* o_row = row_ptr<T>(a.out, b, h, i);
-          V sum(A(0));
-          int64_t d = 0;
-          for (; d + kV <= sh.Dv; d += kV) sum = at::vec::fmadd(load_acc(o_row + d), V::loadu(do_i + d), sum);
-          if (d < sh.Dv) sum = at::vec::fmadd(load_acc(o_row + d, sh.Dv - d), V::loadu(do_i + d), sum);
-          delta_h[i] = reduce_add(sum);
-        } else if (!amx) {
-          std::fill(q_i, q_i + sh.D_pad, A(0));
-          std::fill(do_i, do_i + sh.Dv_pad, A(0));
-        }
-        if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (amx) {
-            c10::BFloat16* const q_row = q_bf16 + i * sh.D_amx;
-            c10::BFloat16* const do_row = do_bf16 + i * sh.Dv_amx;
-            if (i < sh.Lq) {
-              put_bf16_row(row_ptr<T>(a.q, b, h, i), sh.D, sh.D_amx, q_row);
-              put_bf16_row(row_ptr<T>(a.dout, b, h, i), sh.Dv, sh.Dv_amx, do_row);
-            } else {
-              std::fill(q_row, q_row + sh.D_amx, c10::BFloat16(0.0f));
-              std::fill(do_row, do_row + sh.Dv_amx, c10::BFloat16(0.0f));
+  // Row i of head (b, h) (rows past Lq are zero; do_i is dO's fp32 row, staged as row i % MR of
+  // a panel): the column panels, and the MR-row panels once a panel's last row is in.
+  void put_row(const AttnArgs& a, int64_t b, int64_t h, int64_t i, const A* do_stage, const A* do_i) {
+    A* const q_i = q_stage + (i % MR) * sh.D_pad;
+    if (i < sh.Lq) load_row(row_ptr<T>(a.q, b, h, i), sh.D, sh.D_pad, q_i);
+    else std::fill(q_i, q_i + sh.D_pad, A(0));
+    put_row_panels(q_p, q_rows, i, q_i, sh.D_pad);
+    put_row_panels(do_p, q_rows, i, do_i, sh.Dv_pad);
+    const int64_t panel0 = i / MR * MR;
+    if (i % MR == MR - 1 && panel0 < sh.Lq) {
+      const int64_t at = (panel0 % kBlockQ) * sh.D, at_do = (panel0 % kBlockQ) * sh.Dv;
+      put_mr_panel(q_stage, sh.D_pad, sh.D, q_pk + (panel0 / kBlockQ) * q_pk_block + at);
+      put_mr_panel(do_stage, sh.Dv_pad, sh.Dv, do_pk + (panel0 / kBlockQ) * do_pk_block + at_do);
+    }
+  }
+  void head_done() {}
+
+  // S = Q K^T into p_tile, dP = dO V^T into ds_tile.
+  void scores(int64_t q0, int64_t n_q, int64_t blk, int64_t cols, A* p_tile, A* ds_tile, Band band) const {
+    const int64_t qb = q0 / kBlockQ;
+    tile_gemm<A, 1, MR>(n_q, cols, sh.D, q_pk + qb * q_pk_block, 1, MR, packing.kt_block(0, blk), NR, sh.D * NR,
+                        p_tile, kScoreLd, false, band, sh.D * MR);
+    tile_gemm<A, 1, MR>(n_q, cols, sh.Dv, do_pk + qb * do_pk_block, 1, MR, packing.vt_block(0, blk), NR, sh.Dv * NR,
+                        ds_tile, kScoreLd, false, band, sh.Dv * MR);
+  }
+
+  // dV += P'^T dO, dK += dS^T Q (transposed views of the tiles), dQ += dS K.
+  void grads(int64_t q0, int64_t n_q, int64_t blk, int64_t k_local, int64_t n_keys, int64_t, const A* pd_tile,
+             const A* ds_tile, A* dq, Band keys_band, Band inner_band) const {
+    A* const dk_blk = dk_acc + k_local * sh.D_pad;
+    A* const dv_blk = dv_acc + k_local * sh.Dv_pad;
+    tile_gemm<A, 1, kScoreLd>(n_keys, sh.Dv, n_q, pd_tile, 1, kScoreLd, do_p + q0 * NR, NR, q_rows * NR, dv_blk,
+                              sh.Dv_pad, true, keys_band);
+    tile_gemm<A, 1, kScoreLd>(n_keys, sh.D, n_q, ds_tile, 1, kScoreLd, q_p + q0 * NR, NR, q_rows * NR, dk_blk,
+                              sh.D_pad, true, keys_band);
+    tile_gemm<A, kScoreLd, 1>(n_q, sh.D, n_keys, ds_tile, kScoreLd, 1, packing.kp_block(0, blk), NR,
+                              sh.Bk_pad * NR, dq + q0 * sh.D_pad, sh.D_pad, true, inner_band);
+  }
+
+  void store_keys(const BwdCall<T>& c, const TaskKeys& t) const { store_key_rows(c, t, 0, t.n_keys, dk_acc, dv_acc); }
+};
+
+// The GEMMs of a task on AMX tiles (bf16 inputs, amx_bf16.h). Q and dO's bf16 rows (A of S and
+// dP; zero rows past Lq, qt_cols of them) and their transposes (A of dK^T and dV^T; zero
+// columns past Lq, a query block's 32-rounded range within qt_cols); P' and dS rounded to bf16
+// (rows of kBlockK, zero rows up to a multiple of 32) and interleaved in query pairs; dK^T and
+// dV^T accumulators (keys_ld columns: the chunk's key blocks), transposed back when the task
+// writes its keys.
+template <typename T>
+struct AmxGrads {
+  using A = acc_t<T>;
+  static constexpr int64_t kQBlockRows32 = (kBlockQ + 31) / 32 * 32;
+  const Shape<A>& sh;
+  const int64_t q_rows, qt_cols, keys_ld;
+  c10::BFloat16* const q_bf16;
+  c10::BFloat16* const do_bf16;
+  c10::BFloat16* const qt_bf16;
+  c10::BFloat16* const dot_bf16;
+  uint32_t* const t_words;
+  c10::BFloat16* const p_bf16;
+  c10::BFloat16* const ds_bf16;
+  uint32_t* const p_pairs;
+  uint32_t* const ds_pairs;
+  A* const dkt_acc;
+  A* const dvt_acc;
+  A* const dk_rows;  // 8 keys of dK / dV transposed back, see store_keys
+  A* const dv_rows;
+  Packed<A> packing;
+
+  AmxGrads(const BwdCall<T>& c, const TaskKeys& t)
+      : sh(c.sh), q_rows(sh.Lq + kRowSlack), qt_cols(round_up_to(sh.Lq, 16) + 32),
+        keys_ld((t.kb1 - t.kb0) * kBlockK),
+        q_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdQBf16>(qt_cols * sh.D_amx)),
+        do_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdDoBf16>(qt_cols * sh.Dv_amx)),
+        qt_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdQtBf16>(sh.D_amx * qt_cols)),
+        dot_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdDotBf16>(sh.Dv_amx * qt_cols)),
+        t_words(thread_scratch<uint32_t, Scratch::kBwdTransposeWords>(qt_cols * std::max(sh.D_amx, sh.Dv_amx) / 2)),
+        p_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdPBf16>(kQBlockRows32 * kBlockK)),
+        ds_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdDsBf16>(kQBlockRows32 * kBlockK)),
+        p_pairs(thread_scratch<uint32_t, Scratch::kBwdPPairs>(kQBlockRows32 * kBlockK / 2)),
+        ds_pairs(thread_scratch<uint32_t, Scratch::kBwdDsPairs>(kQBlockRows32 * kBlockK / 2)),
+        dkt_acc(thread_scratch<A, Scratch::kBwdDktAcc>(sh.D_amx * keys_ld)),
+        dvt_acc(thread_scratch<A, Scratch::kBwdDvtAcc>(sh.Dv_amx * keys_ld)),
+        dk_rows(thread_scratch<A, Scratch::kBwdDkAcc>((8 + kRowSlack) * sh.D_pad)),
+        dv_rows(thread_scratch<A, Scratch::kBwdDvAcc>((8 + kRowSlack) * sh.Dv_pad)),
+        packing(sh, 1, t.kb1 - t.kb0, /*backward=*/true, true) {
+    TORCH_INTERNAL_ASSERT(sh.D_amx == sh.D_pad, "AMX dQ tiles write rows D_pad wide");
+    for (int64_t kb = t.kb0; kb < t.kb1; ++kb) pack_kv_block<T, A>(c.a, sh, packing, t.b, t.hkv, kb, 0, kb - t.kb0);
+    std::fill(dkt_acc, dkt_acc + sh.D_amx * keys_ld, A(0));
+    std::fill(dvt_acc, dvt_acc + sh.Dv_amx * keys_ld, A(0));
+    std::fill(q_bf16 + q_rows * sh.D_amx, q_bf16 + qt_cols * sh.D_amx, c10::BFloat16(0.0f));
+    std::fill(do_bf16 + q_rows * sh.Dv_amx, do_bf16 + qt_cols * sh.Dv_amx, c10::BFloat16(0.0f));
+  }
+
+  void put_row(const AttnArgs& a, int64_t b, int64_t h, int64_t i, const A*, const A*) {
+    c10::BFloat16* const q_row = q_bf16 + i * sh.D_amx;
+    c10::BFloat16* const do_row = do_bf16 + i * sh.Dv_amx;
+    if (i < sh.Lq) {
+      put_bf16_row(row_ptr<c10::BFloat16>(a.q, b, h, i), sh.D, sh.D_amx, q_row);
+      put_bf16_row(row_ptr<c10::BFloat16>(a.dout, b, h, i), sh.Dv, sh.Dv_amx, do_row);
+    } else {
+      std::fill(q_row, q_row + sh.D_amx, c10::BFloat16(0.0f));
+      std::fill(do_row, do_row + sh.Dv_amx, c10::BFloat16(0.0f));
+    }
+  }
+  void head_done() {
+    transpose_bf16(q_bf16, sh.D_amx, qt_cols, sh.D_amx, qt_bf16, qt_cols, t_words);
+    transpose_bf16(do_bf16, sh.Dv_amx, qt_cols, sh.Dv_amx, dot_bf16, qt_cols, t_words);
+  }
+
+  void scores(int64_t q0, int64_t n_q, int64_t blk, int64_t cols, A* p_tile, A* ds_tile, Band band) const {
+    tile_gemm_amx(n_q, cols, sh.D_amx, q_bf16 + q0 * sh.D_amx, sh.D_amx, packing.kw_block(0, blk), p_tile, kScoreLd,
+                  false, band);
+    tile_gemm_amx(n_q, cols, sh.Dv_amx, do_bf16 + q0 * sh.Dv_amx, sh.Dv_amx, packing.vw_block(0, blk), ds_tile,
+                  kScoreLd, false, band);
+  }
+
+  // dV^T += dO^T P', dK^T += Q^T dS over the block's queries rounded up to 32 (the rows past n_q
+  // zero), whole tiles (P' and dS are 0 above the diagonal); dQ += dS K.
+  void grads(int64_t q0, int64_t n_q, int64_t blk, int64_t k_local, int64_t, int64_t cols, const A* pd_tile,
+             const A* ds_tile, A* dq, Band, Band inner_band) const {
+    const int64_t n_q32 = round_up_to(n_q, 32);
+    for (int64_t i = 0; i < n_q; ++i) {
+      round_row_to_bf16(pd_tile + i * kScoreLd, cols, p_bf16 + i * kBlockK);
+      round_row_to_bf16(ds_tile + i * kScoreLd, cols, ds_bf16 + i * kBlockK);
+    }
+    std::fill(p_bf16 + n_q * kBlockK, p_bf16 + n_q32 * kBlockK, c10::BFloat16(0.0f));
+    std::fill(ds_bf16 + n_q * kBlockK, ds_bf16 + n_q32 * kBlockK, c10::BFloat16(0.0f));
+    put_row_pairs_panels(p_bf16, kBlockK, n_q32, cols, p_pairs);
+    put_row_pairs_panels(ds_bf16, kBlockK, n_q32, cols, ds_pairs);
+    tile_gemm_amx(sh.Dv_amx, cols, n_q32, dot_bf16 + q0, qt_cols, p_pairs, dvt_acc + k_local, keys_ld, true, Band{});
+    tile_gemm_amx(sh.D_amx, cols, n_q32, qt_bf16 + q0, qt_cols, ds_pairs, dkt_acc + k_local, keys_ld, true, Band{});
+    tile_gemm_amx(n_q, sh.D_amx, cols, ds_bf16, kBlockK, packing.kpw_block(0, blk), dq + q0 * sh.D_pad, sh.D_pad,
+                  true, inner_band);
+  }
+
+  // From the transposed accumulators, 8 keys at a time through 8 x 8 transposes into rows.
+  void store_keys(const BwdCall<T>& c, const TaskKeys& t) const {
+    for (int64_t j0 = 0; j0 < t.n_keys; j0 += 8) {
+      for (int64_t d = 0; d < sh.D_amx; d += 8) transpose_8x8<A>(dkt_acc + d * keys_ld + j0, keys_ld, dk_rows + d, sh.D_pad);
+      for (int64_t d = 0; d < sh.Dv_amx; d += 8) transpose_8x8<A>(dvt_acc + d * keys_ld + j0, keys_ld, dv_rows + d, sh.Dv_pad);
+      store_key_rows(c, t, j0, std::min<int64_t>(8, t.n_keys - j0), dk_rows, dv_rows);
+    }
+  }
+};
+
+// One task: every query head of kv head (b, hkv) against the task's keys, shared by both GEMM
+// paths: per head, Q / dO staged and delta computed; per (key block, query block that can see
+// it) tile, the score GEMMs, P and dS row by row, the gradient GEMMs.
+template <typename T, class Grads>
+void backward_task(const BwdCall<T>& c, const TaskKeys& t) {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  constexpr int64_t kV = V::size();
+  constexpr int64_t MR = MicroShape<A>::kMR;
+  const AttnArgs& a = c.a;
+  const Shape<A>& sh = c.sh;
+  const int64_t b = t.b;
+  const int64_t q_rows = sh.Lq + kRowSlack;
+  Grads gemms(c, t);
+  A* const do_stage = thread_scratch<A, Scratch::kBwdDoStage>(MR * sh.Dv_pad);  // one MR-row panel's rows
+  A* const p_tile = thread_scratch<A, Scratch::kBwdP>((kBlockQ + kRowSlack) * kScoreLd);
+  A* const ds_tile = thread_scratch<A, Scratch::kBwdDs>((kBlockQ + kRowSlack) * kScoreLd);
+  A* const pd_tile = c.threshold ? thread_scratch<A, Scratch::kBwdPDropped>((kBlockQ + kRowSlack) * kScoreLd) : p_tile;
+  A* const bias = thread_scratch<A, Scratch::kBwdBias>(sh.Bk_pad);
+  A* const delta_h = thread_scratch<A, Scratch::kBwdDelta>(sh.Lq);  // delta of the current head
+  A* const dq_own = c.task_owns_dq ? thread_scratch<A, Scratch::kBwdDqOwn>(c.dq_head) : nullptr;
+
+  // Every head rewrites the staged Q / dO a tile reads (rows past Lq from zero rows).
+  for (int64_t g = 0; g < sh.G; ++g) {
+    const int64_t h = t.hkv * sh.G + g;
+    for (int64_t i = 0; i < q_rows; ++i) {
+      A* const do_i = do_stage + (i % MR) * sh.Dv_pad;
+      if (i < sh.Lq) {
+        load_row(row_ptr<T>(a.dout, b, h, i), sh.Dv, sh.Dv_pad, do_i);
+        // delta_i = sum_d dO_id O_id, O read in place (dO's padding columns are zero)
+        const T* o_row = row_ptr<T>(a.out, b, h, i);
+        V sum(A(0));
+        int64_t d = 0;
+        for (; d + kV <= sh.Dv; d += kV) sum = at::vec::fmadd(load_acc(o_row + d), V::loadu(do_i + d), sum);
+        if (d < sh.Dv) sum = at::vec::fmadd(load_acc(o_row + d, sh.Dv - d), V::loadu(do_i + d), sum);
+        delta_h[i] = reduce_add(sum);
+      } else {
+        std::fill(do_i, do_i + sh.Dv_pad, A(0));
+      }
+      gemms.put_row(a, b, h, i, do_stage, do_i);
+    }
+    gemms.head_done();
+    A* const dq = c.task_owns_dq ? dq_own : c.dq_part + (t.chunk * sh.B * sh.H + b * sh.H + h) * c.dq_head;
+    if (c.task_owns_dq) std::fill(dq, dq + sh.Lq * sh.D_pad, A(0));  // rows < Lq are used
+    const A* lse_h = c.lse + (b * sh.H + h) * sh.Lq;
+
+    for (int64_t kb = t.kb0; kb < t.kb1; ++kb) {
+      const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
+      // Query blocks that can see key block kb (causal: at or below the diagonal).
+      const int64_t first_q = a.causal ? std::max<int64_t>(0, k0 - sh.causal_shift) : 0;
+      for (int64_t q0 = first_q / kBlockQ * kBlockQ; q0 < sh.Lq; q0 += kBlockQ) {
+        const int64_t n_q = std::min(kBlockQ, sh.Lq - q0);
+        const bool diagonal = sh.diagonal(a, q0, kb);
+        // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in all five GEMMs.
+        gemms.scores(q0, n_q, kb - t.kb0, cols, p_tile, ds_tile, sh.band(a, q0, kb, Band::kColsUpTo));
+        // P exactly as the forward computed it (Shape::unmasked): straight from S with one FMA
+        // (exp2_row's mul), or after score_row's scale and bias. Unmasked tiles without
+        // dropout (most of them): P and dS in one pass over the row.
+        const bool unmasked = sh.unmasked(a, q0, kb, c.score_mul);
+        const bool plain_tile = unmasked && !c.threshold;
+        for (int64_t i = 0; i < n_q; ++i) {
+          A* p = p_tile + i * kScoreLd;
+          A* ds = ds_tile + i * kScoreLd;
+          const A lse_log2 = lse_h[q0 + i] * static_cast<A>(kLog2e);
+          const V delta_v(delta_h[q0 + i]);
+          if (plain_tile) {
+            // P = 2^(scale log2(e) S - log2(e) lse) (<= 0 up to rounding), dS = P (dP - delta)
+            const V mul_v(c.score_mul), neg_shift(-lse_log2);
+            for (int64_t j = 0; j < cols; j += kV) {
+              const V p_v = exp2_nonpositive(at::vec::fmadd(V::loadu(p + j), mul_v, neg_shift));
+              p_v.store(p + j);
+              (p_v * (V::loadu(ds + j) - delta_v)).store(ds + j);
             }
             continue;
           }
-        }
-        put_row_panels(q_p, q_rows, i, q_i, sh.D_pad);
-        put_row_panels(do_p, q_rows, i, do_i, sh.Dv_pad);
-        // A panel's last row (rows past Lq are zero): pack the panel (blocks are whole panels).
-        const int64_t panel0 = i / MR * MR;
-        if (i % MR == MR - 1 && panel0 < sh.Lq) {
-          const int64_t at = (panel0 % kBlockQ) * sh.D, at_do = (panel0 % kBlockQ) * sh.Dv;
-          put_mr_panel(q_stage, sh.D_pad, sh.D, q_pk + (panel0 / kBlockQ) * q_pk_block + at);
-          put_mr_panel(do_stage, sh.Dv_pad, sh.Dv, do_pk + (panel0 / kBlockQ) * do_pk_block + at_do);
-        }
-      }
-      if (amx) {
-        transpose_bf16(q_bf16, sh.D_amx, qt_cols, sh.D_amx, qt_bf16, qt_cols, t_words);
-        transpose_bf16(do_bf16, sh.Dv_amx, qt_cols, sh.Dv_amx, dot_bf16, qt_cols, t_words);
-      }
-      A* const dq = task_owns_dq ? dq_own : dq_part + (chunk * sh.B * sh.H + b * sh.H + h) * dq_head;
-      if (task_owns_dq) std::fill(dq, dq + sh.Lq * sh.D_pad, A(0));  // rows < Lq are used
-      const A* lse_h = lse + (b * sh.H + h) * sh.Lq;
-
-      for (int64_t kb = kb0; kb < kb1; ++kb) {
-        const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
-        A* const dk_blk = dk_acc + (k0 - key0) * sh.D_pad;
-        A* const dv_blk = dv_acc + (k0 - key0) * sh.Dv_pad;
-        // Query blocks that can see key block kb (causal: at or below the diagonal).
-        const int64_t first_q = a.causal ? std::max<int64_t>(0, k0 - sh.causal_shift) : 0;
-        for (int64_t q0 = first_q / kBlockQ * kBlockQ; q0 < sh.Lq; q0 += kBlockQ) {
-          const int64_t n_q = std::min(kBlockQ, sh.Lq - q0);
-          const bool diagonal = sh.diagonal(a, q0, kb);
-          // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in all five GEMMs.
-          const Band cols_band = sh.band(a, q0, kb, Band::kColsUpTo);
-          const int64_t qb = q0 / kBlockQ;
-          if (amx) {
-            tile_gemm_amx(n_q, cols, sh.D_amx, q_bf16 + q0 * sh.D_amx, sh.D_amx, pk.kw_block(0, kb - kb0), p_tile,
-                          s_ld, false, cols_band);
-            tile_gemm_amx(n_q, cols, sh.Dv_amx, do_bf16 + q0 * sh.Dv_amx, sh.Dv_amx, pk.vw_block(0, kb - kb0), ds_tile,
-                          s_ld, false, cols_band);
+          if (unmasked) {
+            exp2_row(p, cols, lse_log2, c.score_mul);  // P = exp(scale S - lse)
           } else {
-            tile_gemm<A, 1, MR>(n_q, cols, sh.D, q_pk + qb * q_pk_block, 1, MR, pk.kt_block(0, kb - kb0), NR,
-                                sh.D * NR, p_tile, s_ld, false, cols_band, sh.D * MR);
-            tile_gemm<A, 1, MR>(n_q, cols, sh.Dv, do_pk + qb * do_pk_block, 1, MR, pk.vt_block(0, kb - kb0), NR,
-                                sh.Dv * NR, ds_tile, s_ld, false, cols_band, sh.Dv * MR);
+            score_row(a, sh, p, c.score_mul, b, h, q0 + i, k0, n_keys, cols, diagonal, bias);
+            exp2_row(p, cols, lse_log2);  // P = exp(s - lse)
           }
-          // P exactly as the forward computed it (Shape::unmasked): straight from S with one FMA
-          // (exp2_row's mul), or after score_row's scale and bias. Unmasked tiles without
-          // dropout (most of them): P and dS in one pass over the row.
-          const bool unmasked = sh.unmasked(a, q0, kb, score_mul);
-          const bool plain_tile = unmasked && !threshold;
-          for (int64_t i = 0; i < n_q; ++i) {
-            A* p = p_tile + i * s_ld;
-            A* ds = ds_tile + i * s_ld;
-            const A lse_log2 = lse_h[q0 + i] * static_cast<A>(kLog2e);
-            const V delta_v(delta_h[q0 + i]);
-            if (plain_tile) {
-              // P = 2^(scale log2(e) S - log2(e) lse) (<= 0 up to rounding), dS = P (dP - delta)
-              const V mul_v(score_mul), neg_shift(-lse_log2);
-              for (int64_t j = 0; j < cols; j += kV) {
-                const V p_v = exp2_nonpositive(at::vec::fmadd(V::loadu(p + j), mul_v, neg_shift));
-                p_v.store(p + j);
-                (p_v * (V::loadu(ds + j) - delta_v)).store(ds + j);
-              }
-              continue;
-            }
-            if (unmasked) {
-              exp2_row(p, cols, lse_log2, score_mul);  // P = exp(scale S - lse)
-            } else {
-              score_row(a, sh, p, score_mul, b, h, q0 + i, k0, n_keys, cols, diagonal, bias);
-              exp2_row(p, cols, lse_log2);  // P = exp(s - lse)
-            }
-            if (diagonal) {
-              // Entries past the row's last allowed key may be unwritten: dS (and P) there are 0.
-              const int64_t live = round_up_to(sh.causal_end(q0 + i, k0, cols), kV);
-              std::fill(ds + live, ds + cols, A(0));
-            }
-            if (threshold) {
-              // dS = P (dP keep/(1-p) - delta); dV uses P' = P keep/(1-p)
-              A* pd = pd_tile + i * s_ld;
-              std::copy(p, p + cols, pd);
-              drop_row(a, pd, b, h, q0 + i, k0, n_keys, threshold);
-              const V scale_v(drop_scale);
-              for (int64_t j = 0; j < cols; j += kV) {
-                const V kept = V::loadu(pd + j) * scale_v;  // P'
-                const V p_v = V::loadu(p + j);
-                // dP' = dP * keep/(1-p) = dP * P'/P where P > 0; dS = P dP' - P delta
-                const V dp_kept = V::blendv(V::loadu(ds + j) * scale_v, V(A(0)), kept == V(A(0)));
-                (p_v * (dp_kept - delta_v)).store(ds + j);
-                kept.store(pd + j);
-              }
-            } else {
-              for (int64_t j = 0; j < cols; j += kV)
-                (V::loadu(p + j) * (V::loadu(ds + j) - delta_v)).store(ds + j);
-            }
+          if (diagonal) {
+            // Entries past the row's last allowed key may be unwritten: dS (and P) there are 0.
+            const int64_t live = round_up_to(sh.causal_end(q0 + i, k0, cols), kV);
+            std::fill(ds + live, ds + cols, A(0));
           }
-          // dV += P'^T dO, dK += dS^T Q (transposed views of the tiles), dQ += dS K.
-          const Band keys_band = sh.band(a, q0, kb, Band::kInnerFrom);
-          const Band inner_band = sh.band(a, q0, kb, Band::kInnerUpTo);
-          if (amx) {
-            // dV^T += dO^T P', dK^T += Q^T dS over the block's queries rounded up to 32 (the rows
-            // past n_q zero), whole tiles (P' and dS are 0 above the diagonal); dQ += dS K.
-            const int64_t n_q32 = round_up_to(n_q, 32);
-            for (int64_t i = 0; i < n_q; ++i) {
-              round_row_to_bf16(pd_tile + i * s_ld, cols, p_bf16 + i * kBlockK);
-              round_row_to_bf16(ds_tile + i * s_ld, cols, ds_bf16 + i * kBlockK);
+          if (c.threshold) {
+            // dS = P (dP keep/(1-p) - delta); dV uses P' = P keep/(1-p)
+            A* pd = pd_tile + i * kScoreLd;
+            std::copy(p, p + cols, pd);
+            drop_row(a, pd, b, h, q0 + i, k0, n_keys, c.threshold);
+            const V scale_v(c.drop_scale);
+            for (int64_t j = 0; j < cols; j += kV) {
+              const V kept = V::loadu(pd + j) * scale_v;  // P'
+              const V p_v = V::loadu(p + j);
+              // dP' = dP * keep/(1-p) = dP * P'/P where P > 0; dS = P dP' - P delta
+              const V dp_kept = V::blendv(V::loadu(ds + j) * scale_v, V(A(0)), kept == V(A(0)));
+              (p_v * (dp_kept - delta_v)).store(ds + j);
+              kept.store(pd + j);
             }
-            std::fill(p_bf16 + n_q * kBlockK, p_bf16 + n_q32 * kBlockK, c10::BFloat16(0.0f));
-            std::fill(ds_bf16 + n_q * kBlockK, ds_bf16 + n_q32 * kBlockK, c10::BFloat16(0.0f));
-            put_row_pairs_panels(p_bf16, kBlockK, n_q32, cols, p_pairs);
-            put_row_pairs_panels(ds_bf16, kBlockK, n_q32, cols, ds_pairs);
-            tile_gemm_amx(sh.Dv_amx, cols, n_q32, dot_bf16 + q0, qt_cols, p_pairs, dvt_acc + (k0 - key0), keys_ld,
-                          true, Band{});
-            tile_gemm_amx(sh.D_amx, cols, n_q32, qt_bf16 + q0, qt_cols, ds_pairs, dkt_acc + (k0 - key0), keys_ld,
-                          true, Band{});
-            tile_gemm_amx(n_q, sh.D_amx, cols, ds_bf16, kBlockK, pk.kpw_block(0, kb - kb0), dq + q0 * sh.D_pad,
-                          sh.D_pad, true, inner_band);
-            continue;
+          } else {
+            for (int64_t j = 0; j < cols; j += kV)
+              (V::loadu(p + j) * (V::loadu(ds + j) - delta_v)).store(ds + j);
           }
-          tile_gemm<A, 1, s_ld>(n_keys, sh.Dv, n_q, pd_tile, 1, s_ld, do_p + q0 * NR, NR, q_rows * NR,
-                       dv_blk, sh.Dv_pad, true, keys_band);
-          tile_gemm<A, 1, s_ld>(n_keys, sh.D, n_q, ds_tile, 1, s_ld, q_p + q0 * NR, NR, q_rows * NR,
-                       dk_blk, sh.D_pad, true, keys_band);
-          tile_gemm<A, s_ld, 1>(n_q, sh.D, n_keys, ds_tile, s_ld, 1, pk.kp_block(0, kb - kb0), NR, sh.Bk_pad * NR,
-                                dq + q0 * sh.D_pad, sh.D_pad, true, inner_band);
         }
+        gemms.grads(q0, n_q, kb - t.kb0, k0 - t.key0, n_keys, cols, pd_tile, ds_tile, dq,
+                    sh.band(a, q0, kb, Band::kInnerFrom), sh.band(a, q0, kb, Band::kInnerUpTo));
       }
-      if (task_owns_dq)
-        for (int64_t i = 0; i < sh.Lq; ++i) store_dq_row(b * sh.H + h, i, dq + i * sh.D_pad, 0, 1);
     }
-    // dK = scale * dS^T Q, dV as accumulated: write this task's keys.
-    const V scale_v(static_cast<A>(a.scale));
-    if (amx) {
-      // From the transposed accumulators, 8 keys at a time through 8 x 8 transposes into dk_acc /
-      // dv_acc rows (8 of them), then the rows below.
-      for (int64_t j0 = 0; j0 < n_chunk_keys; j0 += 8) {
-        for (int64_t d = 0; d < sh.D_amx; d += 8) transpose_8x8<A>(dkt_acc + d * keys_ld + j0, keys_ld, dk_acc + d, sh.D_pad);
-        for (int64_t d = 0; d < sh.Dv_amx; d += 8) transpose_8x8<A>(dvt_acc + d * keys_ld + j0, keys_ld, dv_acc + d, sh.Dv_pad);
-        for (int64_t j = j0; j < std::min(n_chunk_keys, j0 + 8); ++j) {
-          T* dk_row = const_cast<T*>(row_ptr<T>(a.dk, b, hkv, key0 + j));
-          T* dv_row = const_cast<T*>(row_ptr<T>(a.dv, b, hkv, key0 + j));
-          for (int64_t d = 0; d < sh.D; d += kV)
-            store_acc(dk_row + d, V::loadu(dk_acc + (j - j0) * sh.D_pad + d) * scale_v, std::min(kV, sh.D - d));
-          for (int64_t d = 0; d < sh.Dv; d += kV)
-            store_acc(dv_row + d, V::loadu(dv_acc + (j - j0) * sh.Dv_pad + d), std::min(kV, sh.Dv - d));
-        }
-      }
-      return;
+    if (c.task_owns_dq)
+      for (int64_t i = 0; i < sh.Lq; ++i) c.store_dq_row(b * sh.H + h, i, dq + i * sh.D_pad, 0, 1);
+  }
+  gemms.store_keys(c, t);
+}
+
+template <typename T>
+void attention_bwd_typed(const AttnArgs& a) {
+  using A = acc_t<T>;
+  const BwdCall<T> c(a);
+  const Shape<A>& sh = c.sh;
+  // bf16 on AMX: all five GEMMs on the tiles (AmxGrads); else the fp32 micro-kernel.
+  const bool amx = std::is_same_v<T, c10::BFloat16> && use_amx_bf16();
+  const double flops = 2.5 * 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
+  parallel_tasks(sh.B * sh.Hkv * c.n_chunks, flops, [&](int64_t task) {
+    const int64_t chunk = task % c.n_chunks, bhkv = task / c.n_chunks;
+    TaskKeys t{bhkv / sh.Hkv, bhkv % sh.Hkv, chunk, chunk * c.kb_per_chunk, 0, 0, 0};
+    t.kb1 = std::min(sh.n_kb, t.kb0 + c.kb_per_chunk);
+    if (t.kb0 >= t.kb1) return;
+    t.key0 = t.kb0 * kBlockK;
+    t.n_keys = std::min(sh.Lk, t.kb1 * kBlockK) - t.key0;
+    const AmxTiles tiles(amx);
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (amx) return backward_task<T, AmxGrads<T>>(c, t);
     }
-    for (int64_t j = 0; j < n_chunk_keys; ++j) {
-      T* dk_row = const_cast<T*>(row_ptr<T>(a.dk, b, hkv, key0 + j));
-      T* dv_row = const_cast<T*>(row_ptr<T>(a.dv, b, hkv, key0 + j));
-      for (int64_t d = 0; d < sh.D; d += kV)
-        store_acc(dk_row + d, V::loadu(dk_acc + j * sh.D_pad + d) * scale_v, std::min(kV, sh.D - d));
-      for (int64_t d = 0; d < sh.Dv; d += kV)
-        store_acc(dv_row + d, V::loadu(dv_acc + j * sh.Dv_pad + d), std::min(kV, sh.Dv - d));
-    }
+    backward_task<T, Fp32Grads<T>>(c, t);
   });
 
   // dQ = scale * the sum over chunks (in chunk order) of the partials.
-  if (!task_owns_dq) {
+  if (!c.task_owns_dq) {
     at::parallel_for(0, sh.B * sh.H * sh.Lq, 64, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t i = r % sh.Lq, bh = r / sh.Lq;
-        store_dq_row(bh, i, dq_part + bh * dq_head + i * sh.D_pad, sh.B * sh.H * dq_head, n_chunks);
+        c.store_dq_row(bh, i, c.dq_part + bh * c.dq_head + i * sh.D_pad, sh.B * sh.H * c.dq_head, c.n_chunks);
       }
     });
   }

@@ -36,63 +36,24 @@ namespace {
 
 using namespace attn;
 
+// The GEMMs of a query block, fp32 micro-kernel (every dtype; bf16 without AMX): Q staged in
+// MR-row panels (the S GEMM streams them sequentially), S = Q K^T against packed K^T panels,
+// acc (+)= P V against packed V column panels.
 template <typename T>
-void attention_fwd_typed(const AttnArgs& a) {
+struct Fp32Gemms {
   using A = acc_t<T>;
-  using V = Vectorized<A>;
-  constexpr int64_t NR = MicroShape<A>::kNR;
-  const Shape<A> sh(a);
-  // bf16 on AMX: S = Q K^T from the bf16 inputs and acc += P V with P rounded to bf16 (as torch's
-  // CPU flash attention and FlashAttention do; the row sums stay those of the fp32 P) on the
-  // tiles (amx_bf16.h).
-  const bool amx = std::is_same_v<T, c10::BFloat16> && use_amx_bf16();
-  TORCH_INTERNAL_ASSERT(!amx || sh.Dv_amx == sh.Dv_pad, "AMX P V tiles write acc rows Dv_pad wide");
-  // Heads whose packed K/V fit in L2 with room to spare, when there are enough of them to keep
-  // every thread busy: a task is a whole head and packs its own K/V into its thread's buffers
-  // (written and read back from cache). Otherwise tasks are query blocks, sharing K/V packed
-  // up front for every head (written to memory and read back by each task of the head).
-  const int64_t k_packed_bytes = amx ? sh.D_amx * 2 : sh.D * static_cast<int64_t>(sizeof(A));  // per key
-  const int64_t v_packed_bytes = amx ? sh.Dv_amx * 2 : sh.Dv_pad * static_cast<int64_t>(sizeof(A));
-  const int64_t head_packed_bytes = sh.n_kb * sh.Bk_pad * (k_packed_bytes + v_packed_bytes);
-  const bool pack_in_task = head_packed_bytes <= kPackInTaskBytes &&
-                            sh.B * sh.H >= kHeadTasksPerThread * at::get_num_threads();
-  std::optional<Packed<A>> shared;
-  if (!pack_in_task) {
-    shared.emplace(sh, sh.B * sh.Hkv, sh.n_kb, /*backward=*/false, amx);
-    pack_kv<T, A>(a, sh, *shared);
-  }
+  static constexpr int64_t MR = MicroShape<A>::kMR, NR = MicroShape<A>::kNR;
+  const Shape<A>& sh;
+  A* const q_rows;    // one panel's rows, staged
+  A* const q_packed;  // MR-row panels
 
-  const uint32_t threshold = a.dropout_p > 0 ? dropout_threshold(a.dropout_p) : 0;
-  const A out_scale = a.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - a.dropout_p) : A(1);
-  constexpr int64_t s_ld = kScoreLd;
-  const A score_mul = static_cast<A>(a.scale * kLog2e);  // S = Q K^T to log2 units, see exp2_row
-  A* const lse_out = static_cast<A*>(a.lse);
+  explicit Fp32Gemms(const Shape<A>& shape)
+      : sh(shape),
+        q_rows(thread_scratch<A, Scratch::kFwdQStage>(MR * shape.D_pad)),
+        q_packed(thread_scratch<A, Scratch::kFwdQPanels>(kQBlockRows<A> * shape.D)) {}
 
-  const double flops = 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
-  // Query block qb of head (b, h), K/V from packed head bh_kv of pk (read-only).
-  auto query_block = [&](const Packed<A>& pk, int64_t bh_kv, int64_t b, int64_t h, int64_t qb) {
-    const int64_t q0 = qb * kBlockQ, n_q = std::min(kBlockQ, sh.Lq - q0);
-    constexpr int64_t MR = MicroShape<A>::kMR;
-    A* const q_rows = amx ? nullptr : thread_scratch<A, Scratch::kFwdQStage>(MR * sh.D_pad);  // one panel's rows, staged
-    A* const q_packed = amx ? nullptr : thread_scratch<A, Scratch::kFwdQPanels>(kQBlockRows<A> * sh.D);  // MR-row panels
-    // AMX: the block's bf16 rows, zero rows up to a multiple of 16.
-    c10::BFloat16* const q_bf16 = amx ? thread_scratch<c10::BFloat16, Scratch::kFwdQBf16>((kBlockQ + 16) * sh.D_amx) : nullptr;
-    // AMX: P rounded to bf16, rows of kBlockK, zero rows up to a multiple of 16.
-    c10::BFloat16* const p_bf16 = amx ? thread_scratch<c10::BFloat16, Scratch::kFwdPBf16>(kBlockQ * kBlockK) : nullptr;
-    static_assert(kBlockQ % 16 == 0, "AMX tiles of P and acc stay within the block's rows");
-    A* const s_tile = thread_scratch<A, Scratch::kFwdScores>((kBlockQ + kRowSlack) * s_ld);
-    A* const acc = thread_scratch<A, Scratch::kFwdAcc>(kBlockQ * sh.Dv_pad);
-    A* const bias = thread_scratch<A, Scratch::kFwdBias>(sh.Bk_pad);
-    A* const row_max = thread_scratch<A, Scratch::kFwdRowMax>(kBlockQ);
-    A* const row_sum = thread_scratch<A, Scratch::kFwdRowSum>(kBlockQ);
-
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (amx) {
-        stage_bf16_rows(a.q, b, h, q0, n_q, round_up_to(n_q, 16), sh.D, sh.D_amx, q_bf16);
-        std::fill(p_bf16 + n_q * kBlockK, p_bf16 + round_up_to(n_q, 16) * kBlockK, c10::BFloat16(0.0f));
-      }
-    }
-    for (int64_t p0 = 0; p0 < n_q && !amx; p0 += MR) {
+  void load_q(const AttnArgs& a, int64_t b, int64_t h, int64_t q0, int64_t n_q) {
+    for (int64_t p0 = 0; p0 < n_q; p0 += MR) {
       for (int64_t r = 0; r < MR; ++r) {
         A* q_row = q_rows + r * sh.D_pad;
         if (p0 + r < n_q) {
@@ -103,79 +64,177 @@ void attention_fwd_typed(const AttnArgs& a) {
       }
       put_mr_panel(q_rows, sh.D_pad, sh.D, q_packed + p0 * sh.D);
     }
-    std::fill(row_max, row_max + kBlockQ, kNegInf<A>);
-    std::fill(row_sum, row_sum + kBlockQ, A(0));
+  }
+  void scores(const Packed<A>& pk, int64_t bh_kv, int64_t kb, int64_t n_q, int64_t cols, A* s_tile, Band band) const {
+    tile_gemm<A, 1, MR>(n_q, cols, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb), NR, sh.D * NR, s_tile, kScoreLd,
+                        false, band, sh.D * MR);
+  }
+  void p_row(const A*, int64_t, int64_t) {}  // P is read from the score tile itself
+  // Over the block's keys (the padding columns' P is 0).
+  void pv(const Packed<A>& pk, int64_t bh_kv, int64_t kb, int64_t n_q, int64_t n_keys, int64_t, const A* s_tile,
+          A* acc, bool accumulate, Band band) const {
+    tile_gemm<A, kScoreLd, 1>(n_q, sh.Dv, n_keys, s_tile, kScoreLd, 1, pk.vp_block(bh_kv, kb), NR, sh.Bk_pad * NR, acc,
+                              sh.Dv_pad, accumulate, band);
+  }
+};
 
-    const int64_t kb_end = sh.kb_end(a, q0 + n_q);
-    // acc: written by the first key block's P V (accumulate = false), zero if there is none.
-    if (kb_end == 0) std::fill(acc, acc + kBlockQ * sh.Dv_pad, A(0));
-    for (int64_t kb = 0; kb < kb_end; ++kb) {
-      const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
-      // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in both GEMMs.
-      if (amx) {
-        tile_gemm_amx(n_q, cols, sh.D_amx, q_bf16, sh.D_amx, pk.kw_block(bh_kv, kb), s_tile, s_ld, false,
-                      sh.band(a, q0, kb, Band::kColsUpTo));
-      } else {
-        tile_gemm<A, 1, MR>(n_q, cols, sh.D, q_packed, 1, MR, pk.kt_block(bh_kv, kb), NR, sh.D * NR, s_tile,
-                            s_ld, false, sh.band(a, q0, kb, Band::kColsUpTo), sh.D * MR);
-      }
-      const bool diagonal = sh.diagonal(a, q0, kb);
-      // P as the backward computes it (Shape::unmasked): straight from S with one FMA per
-      // score, or after score_row's scale and bias. (A scale <= 0, allowed, flips which score
-      // is the max: score_row handles it.)
-      const bool unmasked = sh.unmasked(a, q0, kb, score_mul);
-      for (int64_t i = 0; i < n_q; ++i) {
-        A* s = s_tile + i * s_ld;
-        const A block_max = unmasked ? row_max_of(s, cols) * score_mul  // log2 units
-                                     : score_row(a, sh, s, score_mul, b, h, q0 + i, k0, n_keys, cols, diagonal, bias);
-        const A new_max = std::max(row_max[i], block_max);
-        // alpha = 1 exactly when the max did not move (most key blocks): no exp call.
-        const A alpha = new_max == row_max[i] ? A(1) : online_softmax_alpha_log2(row_max[i], new_max);
-        const A block_sum = exp2_row(s, cols, softmax_shift(new_max), unmasked ? score_mul : A(1));
-        row_sum[i] = alpha * row_sum[i] + block_sum;
-        row_max[i] = new_max;
-        if (threshold) drop_row(a, s, b, h, q0 + i, k0, n_keys, threshold);
-        if (alpha != A(1) && kb > 0) {  // (before the first block's P V, acc holds nothing)
-          A* acc_i = acc + i * sh.Dv_pad;
-          const V alpha_v(alpha);
-          for (int64_t d = 0; d < sh.Dv_pad; d += V::size()) (V::loadu(acc_i + d) * alpha_v).store(acc_i + d);
-        }
-        if (amx) round_row_to_bf16(s, cols, p_bf16 + i * kBlockK);
-      }
-      if (amx) {
-        tile_gemm_amx(n_q, sh.Dv_amx, cols, p_bf16, kBlockK, pk.vpw_block(bh_kv, kb), acc, sh.Dv_pad, kb > 0,
-                      sh.band(a, q0, kb, Band::kInnerUpTo));
-      } else {
-        tile_gemm<A, s_ld, 1>(n_q, sh.Dv, n_keys, s_tile, s_ld, 1, pk.vp_block(bh_kv, kb), NR, sh.Bk_pad * NR, acc,
-                              sh.Dv_pad, kb > 0, sh.band(a, q0, kb, Band::kInnerUpTo));
-      }
-    }
+// The GEMMs of a query block on AMX tiles (bf16 inputs, amx_bf16.h): S = Q K^T from the block's
+// bf16 rows (exact products), acc (+)= P V with P rounded to bf16 row by row (p_row; the row sums
+// stay those of the fp32 P, as torch's CPU flash attention and FlashAttention round).
+template <typename T>
+struct AmxGemms {
+  using A = acc_t<T>;
+  const Shape<A>& sh;
+  c10::BFloat16* const q_bf16;  // the block's bf16 rows, zero rows up to a multiple of 16
+  c10::BFloat16* const p_bf16;  // P rounded to bf16, rows of kBlockK, zero rows up to a multiple of 16
+  static_assert(kBlockQ % 16 == 0, "AMX tiles of P and acc stay within the block's rows");
 
+  explicit AmxGemms(const Shape<A>& shape)
+      : sh(shape),
+        q_bf16(thread_scratch<c10::BFloat16, Scratch::kFwdQBf16>((kBlockQ + 16) * shape.D_amx)),
+        p_bf16(thread_scratch<c10::BFloat16, Scratch::kFwdPBf16>(kBlockQ * kBlockK)) {
+    TORCH_INTERNAL_ASSERT(sh.Dv_amx == sh.Dv_pad, "AMX P V tiles write acc rows Dv_pad wide");
+  }
+
+  void load_q(const AttnArgs& a, int64_t b, int64_t h, int64_t q0, int64_t n_q) {
+    stage_bf16_rows(a.q, b, h, q0, n_q, round_up_to(n_q, 16), sh.D, sh.D_amx, q_bf16);
+    std::fill(p_bf16 + n_q * kBlockK, p_bf16 + round_up_to(n_q, 16) * kBlockK, c10::BFloat16(0.0f));
+  }
+  void scores(const Packed<A>& pk, int64_t bh_kv, int64_t kb, int64_t n_q, int64_t cols, A* s_tile, Band band) const {
+    tile_gemm_amx(n_q, cols, sh.D_amx, q_bf16, sh.D_amx, pk.kw_block(bh_kv, kb), s_tile, kScoreLd, false, band);
+  }
+  void p_row(const A* p, int64_t i, int64_t cols) { round_row_to_bf16(p, cols, p_bf16 + i * kBlockK); }
+  // Over the block's score columns (whole pair words; the padding columns' P is 0).
+  void pv(const Packed<A>& pk, int64_t bh_kv, int64_t kb, int64_t n_q, int64_t, int64_t cols, const A*, A* acc,
+          bool accumulate, Band band) const {
+    tile_gemm_amx(n_q, sh.Dv_amx, cols, p_bf16, kBlockK, pk.vpw_block(bh_kv, kb), acc, sh.Dv_pad, accumulate, band);
+  }
+};
+
+// What every query block of a call shares.
+template <typename T>
+struct FwdCall {
+  using A = acc_t<T>;
+  const AttnArgs& a;
+  const Shape<A> sh;
+  const uint32_t threshold;   // dropout: drop a probability iff its Philox word is below
+  const A out_scale;          // 1 / (1 - p)
+  const A score_mul;          // S = Q K^T to log2 units, see exp2_row
+  A* const lse;
+
+  explicit FwdCall(const AttnArgs& args)
+      : a(args), sh(args), threshold(args.dropout_p > 0 ? dropout_threshold(args.dropout_p) : 0),
+        out_scale(args.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - args.dropout_p) : A(1)),
+        score_mul(static_cast<A>(args.scale * kLog2e)), lse(static_cast<A*>(args.lse)) {}
+};
+
+// Query block qb of head (b, h), K/V from packed head bh_kv of pk (read-only): the online
+// softmax over the key blocks the queries can see, shared by both GEMM paths.
+template <typename T, class Gemms>
+void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, int64_t bh_kv, int64_t b,
+                 int64_t h, int64_t qb) {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  const AttnArgs& a = c.a;
+  const Shape<A>& sh = c.sh;
+  const int64_t q0 = qb * kBlockQ, n_q = std::min(kBlockQ, sh.Lq - q0);
+  A* const s_tile = thread_scratch<A, Scratch::kFwdScores>((kBlockQ + kRowSlack) * kScoreLd);
+  A* const acc = thread_scratch<A, Scratch::kFwdAcc>(kBlockQ * sh.Dv_pad);
+  A* const bias = thread_scratch<A, Scratch::kFwdBias>(sh.Bk_pad);
+  A* const row_max = thread_scratch<A, Scratch::kFwdRowMax>(kBlockQ);
+  A* const row_sum = thread_scratch<A, Scratch::kFwdRowSum>(kBlockQ);
+
+  gemms.load_q(a, b, h, q0, n_q);
+  std::fill(row_max, row_max + kBlockQ, kNegInf<A>);
+  std::fill(row_sum, row_sum + kBlockQ, A(0));
+
+  const int64_t kb_end = sh.kb_end(a, q0 + n_q);
+  // acc: written by the first key block's P V (accumulate = false), zero if there is none.
+  if (kb_end == 0) std::fill(acc, acc + kBlockQ * sh.Dv_pad, A(0));
+  for (int64_t kb = 0; kb < kb_end; ++kb) {
+    const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
+    // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in both GEMMs.
+    gemms.scores(pk, bh_kv, kb, n_q, cols, s_tile, sh.band(a, q0, kb, Band::kColsUpTo));
+    const bool diagonal = sh.diagonal(a, q0, kb);
+    // P as the backward computes it (Shape::unmasked): straight from S with one FMA per
+    // score, or after score_row's scale and bias. (A scale <= 0, allowed, flips which score
+    // is the max: score_row handles it.)
+    const bool unmasked = sh.unmasked(a, q0, kb, c.score_mul);
     for (int64_t i = 0; i < n_q; ++i) {
-      const V inv(softmax_inv_sum(row_sum[i]) * out_scale);
-      T* out_i = const_cast<T*>(row_ptr<T>(a.out, b, h, q0 + i));
-      const A* acc_i = acc + i * sh.Dv_pad;
-      int64_t d = 0;
-      for (; d + V::size() <= sh.Dv; d += V::size()) store_acc(out_i + d, V::loadu(acc_i + d) * inv);
-      if (d < sh.Dv) store_acc(out_i + d, V::loadu(acc_i + d) * inv, sh.Dv - d);
-      lse_out[(b * sh.H + h) * sh.Lq + q0 + i] = softmax_lse_log2(row_max[i], row_sum[i]);
+      A* s = s_tile + i * kScoreLd;
+      const A block_max = unmasked ? row_max_of(s, cols) * c.score_mul  // log2 units
+                                   : score_row(a, sh, s, c.score_mul, b, h, q0 + i, k0, n_keys, cols, diagonal, bias);
+      const A new_max = std::max(row_max[i], block_max);
+      // alpha = 1 exactly when the max did not move (most key blocks): no exp call.
+      const A alpha = new_max == row_max[i] ? A(1) : online_softmax_alpha_log2(row_max[i], new_max);
+      const A block_sum = exp2_row(s, cols, softmax_shift(new_max), unmasked ? c.score_mul : A(1));
+      row_sum[i] = alpha * row_sum[i] + block_sum;
+      row_max[i] = new_max;
+      if (c.threshold) drop_row(a, s, b, h, q0 + i, k0, n_keys, c.threshold);
+      if (alpha != A(1) && kb > 0) {  // (before the first block's P V, acc holds nothing)
+        A* acc_i = acc + i * sh.Dv_pad;
+        const V alpha_v(alpha);
+        for (int64_t d = 0; d < sh.Dv_pad; d += V::size()) (V::loadu(acc_i + d) * alpha_v).store(acc_i + d);
+      }
+      gemms.p_row(s, i, cols);
     }
-  };
+    gemms.pv(pk, bh_kv, kb, n_q, n_keys, cols, s_tile, acc, kb > 0, sh.band(a, q0, kb, Band::kInnerUpTo));
+  }
 
+  for (int64_t i = 0; i < n_q; ++i) {
+    const V inv(softmax_inv_sum(row_sum[i]) * c.out_scale);
+    T* out_i = const_cast<T*>(row_ptr<T>(a.out, b, h, q0 + i));
+    const A* acc_i = acc + i * sh.Dv_pad;
+    int64_t d = 0;
+    for (; d + V::size() <= sh.Dv; d += V::size()) store_acc(out_i + d, V::loadu(acc_i + d) * inv);
+    if (d < sh.Dv) store_acc(out_i + d, V::loadu(acc_i + d) * inv, sh.Dv - d);
+    c.lse[(b * sh.H + h) * sh.Lq + q0 + i] = softmax_lse_log2(row_max[i], row_sum[i]);
+  }
+}
+
+// The call's tasks: whole heads packing their own K/V (when they fit in L2 with room to spare
+// and there are enough heads to keep every thread busy: written and read back from cache), or
+// query blocks sharing K/V packed up front for every head (written to memory and read back by
+// each task of the head).
+template <typename T, class Gemms>
+void run_tasks(const FwdCall<T>& c, bool amx) {
+  using A = acc_t<T>;
+  const Shape<A>& sh = c.sh;
+  const int64_t k_packed_bytes = amx ? sh.D_amx * 2 : sh.D * static_cast<int64_t>(sizeof(A));  // per key
+  const int64_t v_packed_bytes = amx ? sh.Dv_amx * 2 : sh.Dv_pad * static_cast<int64_t>(sizeof(A));
+  const int64_t head_packed_bytes = sh.n_kb * sh.Bk_pad * (k_packed_bytes + v_packed_bytes);
+  const bool pack_in_task = head_packed_bytes <= kPackInTaskBytes &&
+                            sh.B * sh.H >= kHeadTasksPerThread * at::get_num_threads();
+  std::optional<Packed<A>> shared;
+  if (!pack_in_task) {
+    shared.emplace(sh, sh.B * sh.Hkv, sh.n_kb, /*backward=*/false, amx);
+    pack_kv<T, A>(c.a, sh, *shared);
+  }
+  const double flops = 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
   const int64_t n_tasks = pack_in_task ? sh.B * sh.H : sh.B * sh.H * sh.n_qb;
   parallel_tasks(n_tasks, flops, [&](int64_t task) {
     const AmxTiles tiles(amx);
+    Gemms gemms(sh);
     const int64_t bh = pack_in_task ? task : task / sh.n_qb;
     const int64_t b = bh / sh.H, h = bh % sh.H, hkv = h / sh.G;
     if (!pack_in_task) {
-      query_block(*shared, b * sh.Hkv + hkv, b, h, task % sh.n_qb);
+      query_block(c, gemms, *shared, b * sh.Hkv + hkv, b, h, task % sh.n_qb);
       return;
     }
     Packed<A> own(sh, 1, sh.n_kb, /*backward=*/false, amx);
-    const int64_t kb_end = sh.kb_end(a, sh.Lq);  // the blocks some query of the head can see
-    for (int64_t kb = 0; kb < kb_end; ++kb) pack_kv_block<T, A>(a, sh, own, b, hkv, kb, 0, kb);
-    for (int64_t qb = 0; qb < sh.n_qb; ++qb) query_block(own, 0, b, h, qb);
+    const int64_t kb_end = sh.kb_end(c.a, sh.Lq);  // the blocks some query of the head can see
+    for (int64_t kb = 0; kb < kb_end; ++kb) pack_kv_block<T, A>(c.a, sh, own, b, hkv, kb, 0, kb);
+    for (int64_t qb = 0; qb < sh.n_qb; ++qb) query_block(c, gemms, own, 0, b, h, qb);
   });
+}
+
+template <typename T>
+void attention_fwd_typed(const AttnArgs& a) {
+  const FwdCall<T> c(a);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (use_amx_bf16()) return run_tasks<T, AmxGemms<T>>(c, true);
+  }
+  run_tasks<T, Fp32Gemms<T>>(c, false);
 }
 
 }  // namespace
