@@ -205,6 +205,26 @@ void dispatch(const Params& p, bool vector_ok_f32, bool vector_ok_16, F&& f) {
   });
 }
 
+// Launches the instantiation kernel_of(type tag, activation tag, vectorized?) returns for the
+// call's dtype, activation and vectorizability (mats: the (pointer, row stride) pairs it reads
+// and writes), on a grid of `groups` row groups. Written once for the four epilogues below.
+template <class Params, class KernelOf>
+void launch(const Params& p, std::initializer_list<std::pair<const void*, int64_t>> mats, int groups,
+            cudaStream_t stream, KernelOf kernel_of) {
+  dispatch(p, vectorizable<float>(p.cols, mats), vectorizable<__half>(p.cols, mats),
+           [&](auto type_tag, auto act_tag, auto vec) {
+             using T = decltype(type_tag);
+             const auto kernel = kernel_of(type_tag, act_tag, vec);
+             kernel<<<grid_for<T>(p.rows, p.cols, groups), kThreads, 0, stream>>>(p);
+           });
+}
+
+// The kernel template K instantiated for launch()'s tags.
+#define FF_EPILOGUE_KERNEL(K)                                                     \
+  [](auto type_tag, auto act_tag, auto vec) {                                     \
+    return K<decltype(type_tag), decltype(act_tag)::value, decltype(vec)::value>; \
+  }
+
 }  // namespace
 
 int bias_act_bwd_row_groups(int64_t rows, int64_t cols, int sm_count) {
@@ -214,14 +234,8 @@ int bias_act_bwd_row_groups(int64_t rows, int64_t cols, int sm_count) {
 
 cudaError_t bias_act_fwd(const BiasActFwdParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
-  const auto mats = {std::pair<const void*, int64_t>{p.x, p.x_row_stride}, {p.y, p.y_row_stride}};
-  dispatch(
-      p, vectorizable<float>(p.cols, mats), vectorizable<__half>(p.cols, mats),
-      [&](auto type_tag, auto act_tag, auto vec) {
-        using T = decltype(type_tag);
-        bias_act_fwd_kernel<T, decltype(act_tag)::value, decltype(vec)::value>
-            <<<grid_for<T>(p.rows, p.cols, default_row_groups(p.rows)), kThreads, 0, stream>>>(p);
-      });
+  launch(p, {{p.x, p.x_row_stride}, {p.y, p.y_row_stride}}, default_row_groups(p.rows), stream,
+         FF_EPILOGUE_KERNEL(bias_act_fwd_kernel));
   return cudaGetLastError();
 }
 
@@ -229,15 +243,8 @@ cudaError_t bias_act_bwd(const BiasActBwdParams& p, cudaStream_t stream) {
   if (p.cols == 0) return cudaSuccess;
   const int groups = p.dbias != nullptr ? p.row_groups : default_row_groups(p.rows);
   if (p.rows > 0) {
-    const auto mats = {std::pair<const void*, int64_t>{p.x, p.x_row_stride},
-                       {p.dy, p.dy_row_stride},
-                       {p.dx, p.dx_row_stride}};
-    dispatch(p, vectorizable<float>(p.cols, mats), vectorizable<__half>(p.cols, mats),
-             [&](auto type_tag, auto act_tag, auto vec) {
-               using T = decltype(type_tag);
-               bias_act_bwd_kernel<T, decltype(act_tag)::value, decltype(vec)::value>
-                   <<<grid_for<T>(p.rows, p.cols, groups), kThreads, 0, stream>>>(p);
-             });
+    launch(p, {{p.x, p.x_row_stride}, {p.dy, p.dy_row_stride}, {p.dx, p.dx_row_stride}}, groups, stream,
+           FF_EPILOGUE_KERNEL(bias_act_bwd_kernel));
   } else if (p.dbias != nullptr) {
     cudaMemsetAsync(p.dbias_part, 0, sizeof(float) * p.cols * groups, stream);
   }
@@ -250,33 +257,17 @@ cudaError_t bias_act_bwd(const BiasActBwdParams& p, cudaStream_t stream) {
 
 cudaError_t gated_act_fwd(const GatedActFwdParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
-  const auto mats = {std::pair<const void*, int64_t>{p.gate, p.gate_row_stride},
-                     {p.up, p.up_row_stride},
-                     {p.h, p.h_row_stride}};
-  dispatch(
-      p, vectorizable<float>(p.cols, mats), vectorizable<__half>(p.cols, mats),
-      [&](auto type_tag, auto act_tag, auto vec) {
-        using T = decltype(type_tag);
-        gated_act_fwd_kernel<T, decltype(act_tag)::value, decltype(vec)::value>
-            <<<grid_for<T>(p.rows, p.cols, default_row_groups(p.rows)), kThreads, 0, stream>>>(p);
-      });
+  launch(p, {{p.gate, p.gate_row_stride}, {p.up, p.up_row_stride}, {p.h, p.h_row_stride}},
+         default_row_groups(p.rows), stream, FF_EPILOGUE_KERNEL(gated_act_fwd_kernel));
   return cudaGetLastError();
 }
 
 cudaError_t gated_act_bwd(const GatedActBwdParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
-  const auto mats = {std::pair<const void*, int64_t>{p.dh, p.dh_row_stride},
-                     {p.gate, p.gate_row_stride},
-                     {p.up, p.up_row_stride},
-                     {p.dgate, p.dgate_row_stride},
-                     {p.dup, p.dup_row_stride}};
-  dispatch(
-      p, vectorizable<float>(p.cols, mats), vectorizable<__half>(p.cols, mats),
-      [&](auto type_tag, auto act_tag, auto vec) {
-        using T = decltype(type_tag);
-        gated_act_bwd_kernel<T, decltype(act_tag)::value, decltype(vec)::value>
-            <<<grid_for<T>(p.rows, p.cols, default_row_groups(p.rows)), kThreads, 0, stream>>>(p);
-      });
+  launch(p,
+         {{p.dh, p.dh_row_stride}, {p.gate, p.gate_row_stride}, {p.up, p.up_row_stride},
+          {p.dgate, p.dgate_row_stride}, {p.dup, p.dup_row_stride}},
+         default_row_groups(p.rows), stream, FF_EPILOGUE_KERNEL(gated_act_bwd_kernel));
   return cudaGetLastError();
 }
 
