@@ -18,13 +18,20 @@
 namespace fastformer {
 
 // X(type, name), in the Python dataclass's field order.
-#define FF_ATTENTION_OPTIONS(X)             \
-  X(int64_t, causal)                        \
-  X(std::optional<double>, scale)           \
-  X(double, dropout_p)                      \
-  X(std::optional<at::Tensor>, rng_state)   \
-  X(std::optional<at::Tensor>, attn_mask)   \
-  X(std::optional<at::Tensor>, key_padding_mask)
+#define FF_ATTENTION_OPTIONS(X)                \
+  X(int64_t, causal)                           \
+  X(std::optional<double>, scale)              \
+  X(double, dropout_p)                         \
+  X(std::optional<at::Tensor>, rng_state)      \
+  X(std::optional<at::Tensor>, attn_mask)      \
+  X(std::optional<at::Tensor>, key_padding_mask) \
+  X(int64_t, window_left)                      \
+  X(int64_t, window_right)                     \
+  X(double, softcap)                           \
+  X(std::optional<at::Tensor>, alibi_slopes)   \
+  X(std::optional<at::Tensor>, sinks)          \
+  X(std::optional<at::Tensor>, bias_table)     \
+  X(std::optional<at::Tensor>, bias_buckets)
 
 #define FF_NORM_OPTIONS(X) \
   X(double, eps)           \

@@ -17,7 +17,7 @@ from .modules.positional import (LearnedPositionalEncoding, RotaryEmbedding,  # 
 from .modules.transformer import (Transformer, TransformerDecoder,  # noqa: E402
                                   TransformerDecoderLayer, TransformerEncoder,
                                   TransformerEncoderLayer)
-from .ops.attention import attention  # noqa: E402
+from .ops.attention import RelativePositionBias, attention  # noqa: E402
 from .ops.ffn import ffn, swiglu_ffn  # noqa: E402
 from .ops.norm import add_layer_norm, layer_norm, rms_norm  # noqa: E402
 from .ops.rotary import apply_rotary  # noqa: E402
@@ -26,7 +26,7 @@ from .ops.sdpa import SDPAError, patch_sdpa, scaled_dot_product_attention  # noq
 __all__ = [
     "__version__", "backends", "info", "available_backends", "last_dispatch", "use_backend",
     "add_layer_norm", "layer_norm", "rms_norm", "LayerNorm", "RMSNorm",
-    "attention", "scaled_dot_product_attention", "patch_sdpa", "SDPAError",
+    "attention", "RelativePositionBias", "scaled_dot_product_attention", "patch_sdpa", "SDPAError",
     "ffn", "swiglu_ffn", "apply_rotary",
     "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
     "TransformerEncoder", "TransformerDecoder", "Transformer",

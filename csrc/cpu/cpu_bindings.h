@@ -295,7 +295,7 @@ inline cpu::AttnArgs attn_args(const Tensor& q, const Tensor& k, const Tensor& v
   a.Hkv = k.size(1); a.Lk = k.size(2); a.Dv = v.size(3);
   a.q = view4(q); a.k = view4(k); a.v = view4(v);
   if (const Tensor* m = present(o.attn_mask)) {
-    a.attn_mask = view4(*m);
+    a.attn_mask = view4(m->expand({a.B, a.H, a.Lq, a.Lk}));  // a view (stride 0 where it broadcasts)
     a.mask_is_bool = m->scalar_type() == at::kBool;
     if (!a.mask_is_bool) a.mask_dtype = to_dtype(*m);
   }

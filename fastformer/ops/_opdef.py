@@ -221,13 +221,14 @@ class OpDef:
 
     def __init__(self, name: str, *, inputs: tuple, options: type, outputs: tuple, visible: int,
                  save: Callable, fake_fwd: Callable, fake_bwd: Callable, call: Callable,
-                 grad_aliases: Optional[dict] = None):
+                 grad_aliases: Optional[dict] = None, non_differentiable: tuple = ()):
         self.name = name
         self.inputs = tuple(i.rstrip("?") for i in inputs)
         self.n_inputs = len(inputs)
         self.options = options
         self.outputs = tuple(outputs)
         self.visible = visible
+        self.non_differentiable = tuple(non_differentiable)  # indices of visible outputs
         self.save, self.fake_fwd, self.fake_bwd, self.call = save, fake_fwd, fake_bwd, call
         # {input index: input index}: the gradient of the first is the same tensor as the
         # second's (add+norm: d residual = d x), filled in after the backward.
@@ -318,6 +319,8 @@ class OpDef:
             saved = self.save(tuple(inputs[:n_in]), o, tuple(output[:n_out]))
             ctx.save_for_backward(*saved, *o.tensors(), output[-1])
             ctx.o, ctx.n_saved = o.without_tensors(), len(saved)
+            ctx.mark_non_differentiable(*(output[i] for i in self.non_differentiable), output[-1],
+                                        *output[self.visible:n_out])
 
         def backward(ctx, *grads):
             tensors = ctx.saved_tensors
@@ -353,6 +356,8 @@ class _EagerFunction(torch.autograd.Function):
         ctx.op, ctx.impl, ctx.o, ctx.n_saved = op, impl, o.without_tensors(), len(saved)
         ctx.dispatch = backends.last_dispatch()
         visible = tuple(outputs[:op.visible])
+        if op.non_differentiable:
+            ctx.mark_non_differentiable(*(visible[i] for i in op.non_differentiable))
         return visible if len(visible) > 1 else visible[0]
 
     @staticmethod

@@ -38,23 +38,84 @@ class AttentionOptions(Options):
     """Every option of one attention call, validated (csrc/options.h mirrors the fields).
 
     A backend's Impl lists the fields it honours; a call setting any other one is declined
-    with the field's name as the reason (and ``auto`` falls back).
+    with the field's name as the reason (and ``auto`` falls back). Semantics:
+    reference/attention.py.
     """
 
     causal: int = CAUSAL_NONE             # 0 none, 1 top-left (j <= i), 2 bottom-right
     scale: Optional[float] = None         # None: 1 / sqrt(D)
     dropout_p: float = 0.0                # on the probabilities, in [0, 1)
     rng_state: Optional[Tensor] = None    # int64 CPU [seed, offset] of the dropout stream
-    attn_mask: Optional[Tensor] = None    # (B, H, Lq, Lk) view; bool True = attend, float added
+    attn_mask: Optional[Tensor] = None    # broadcastable to (B, H, Lq, Lk); bool True = attend,
+                                          # float added (may require grad)
     key_padding_mask: Optional[Tensor] = None  # bool (B, Lk), True = padding
+    window_left: int = -1                 # keys j >= i + d - left are visible (-1: no limit)
+    window_right: int = -1                # keys j <= i + d + right (-1: no limit)
+    softcap: float = 0.0                  # > 0: s = softcap * tanh(s / softcap)
+    alibi_slopes: Optional[Tensor] = None  # fp32 (H,) or (B, H): s -= slope * |i + d - j|
+    sinks: Optional[Tensor] = None        # fp32 (H,): a logit in every row's denominator
+    bias_table: Optional[Tensor] = None   # fp32 (num_buckets, H): s += table[bucket(j - i), h]
+    bias_buckets: Optional[Tensor] = None  # int32 (Lq + Lk - 1,): the bucket of j - i, at
+                                           # index j - i + Lq - 1 (with the alignment d)
+
+    differentiable = ("attn_mask", "sinks", "bias_table")
 
     def scale_for(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
 
 
+class RelativePositionBias:
+    """T5's bucketed relative-position bias, for ``ff.attention(position_bias=...)``.
+
+    The bias of (query i, key j) is ``table[bucket(j - i - d), h]`` with T5's bucket function
+    (Hugging Face's ``T5Attention._relative_position_bucket``; d is the causal alignment's
+    offset, Lk - Lq for ``causal="bottom_right"``, else 0). The kernels compute it from the
+    table and a (Lq + Lk - 1) bucket vector, never forming an (Lq, Lk) tensor, and the backward
+    accumulates the table's gradient.
+
+    Args:
+        table: (num_buckets, H) (``nn.Embedding(num_buckets, H).weight``), may require grad.
+        bidirectional: T5's encoder (True) or decoder (False) buckets.
+        max_distance: distances from which every pair shares the last bucket.
+    """
+
+    def __init__(self, table: Tensor, bidirectional: bool = True, max_distance: int = 128):
+        fn = "RelativePositionBias"
+        _checks.tensor(fn, "table", table, dims=(2,))
+        _checks.flag(fn, "bidirectional", bidirectional)
+        if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 1:
+            raise ValueError(f"{fn}: `max_distance` must be a positive int, got {max_distance!r}")
+        min_buckets = 4 if bidirectional else 2
+        if table.shape[0] < min_buckets:
+            raise ValueError(f"{fn}: `table` must have at least {min_buckets} buckets (rows) "
+                             f"with bidirectional={bidirectional}, got shape {tuple(table.shape)}")
+        self.table, self.bidirectional, self.max_distance = table, bidirectional, max_distance
+
+    @property
+    def num_buckets(self) -> int:
+        return self.table.shape[0]
+
+    def buckets(self, Lq: int, Lk: int, d: int = 0) -> Tensor:
+        """int32 (Lq + Lk - 1,): the bucket of key j for query i at index j - i + Lq - 1."""
+        rel = torch.arange(-(Lq - 1), Lk, device=self.table.device) - d
+        return ref.t5_buckets(rel, self.bidirectional, self.num_buckets,
+                              self.max_distance).to(torch.int32)
+
+    def materialize(self, Lq: int, Lk: int, d: int = 0) -> Tensor:
+        """The (1, H, Lq, Lk) bias itself (tests, eager fallbacks)."""
+        rel = torch.arange(Lk, device=self.table.device)[None, :] - torch.arange(Lq, device=self.table.device)[:, None]
+        return self.table[self.buckets(Lq, Lk, d).long()[rel + Lq - 1]].permute(2, 0, 1)[None]
+
+    def __repr__(self) -> str:
+        return (f"RelativePositionBias(num_buckets={self.num_buckets}, heads={self.table.shape[1]}, "
+                f"bidirectional={self.bidirectional}, max_distance={self.max_distance})")
+
+
 # The options every kernel takes.
 _CORE = frozenset({"causal", "scale"})
 _MASKS_DROPOUT = frozenset({"dropout_p", "rng_state", "attn_mask", "key_padding_mask"})
+_VARIANTS = frozenset({"window_left", "window_right", "softcap", "alibi_slopes", "sinks",
+                       "bias_table", "bias_buckets"})
 
 
 def causal_mode(fn: str, causal) -> int:
@@ -77,6 +138,10 @@ def _call(inputs, o: AttentionOptions) -> backends.Call:
         features.append("v_head_dim_differs")
     if any(t.stride(-1) != 1 and t.shape[-1] > 1 for t in inputs):
         features.append("last_dim_strided")
+    mask = o.attn_mask
+    if (mask is not None and mask.requires_grad and mask.dtype != torch.bool
+            and torch.is_grad_enabled()):
+        features.append("attn_mask_grad")  # a learned bias: the backward writes its gradient
     return backends.Call("attention", q.device.type, q.dtype, o.set_fields(),
                          frozenset(features), head_dim=q.shape[-1])
 
@@ -93,13 +158,20 @@ def _fake_fwd(q, k, v, o):
     return _out_like(q, v), q.new_empty((B, H, Lq), dtype=ref.acc_dtype(q.dtype))
 
 
+def _option_grads_like(o: AttentionOptions, needs) -> tuple:
+    """Gradients of the differentiable options, as the backward returns them (fakes)."""
+    mask = o.attn_mask if needs[3] and o.attn_mask is not None else None
+    return (None if mask is None else torch.empty_like(mask, memory_format=torch.contiguous_format),
+            None if not needs[4] or o.sinks is None else torch.empty_like(o.sinks),
+            None if not needs[5] or o.bias_table is None else torch.empty_like(o.bias_table))
+
+
 def _fake_bwd(grads, saved, o, needs):
     q, k, v = saved[:3]
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            *_option_grads_like(o, needs))
 ATTENTION = OpDef("attention", inputs=("q", "k", "v"), options=AttentionOptions,
-                  outputs=("out", "lse"), visible=1,
+                  outputs=("out", "lse"), visible=2, non_differentiable=(1,),
                   save=lambda inputs, o, outputs: (*inputs, *outputs),
                   fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, call=_call)
 
@@ -118,7 +190,7 @@ class _Cuda(Impl):
     fwd = compiled("cuda_attention_fwd")
 
     def bwd(self, grads, saved, o, needs):
-        return _ext.C.cuda_attention_bwd(rowwise(grads[0]), *saved, o)
+        return (*_ext.C.cuda_attention_bwd(rowwise(grads[0]), *saved, o), None, None, None)
 
 
 @ATTENTION.implementation
@@ -137,7 +209,7 @@ class _Triton(Impl):
 
     def bwd(self, grads, saved, o, needs):
         from . import attention_triton
-        return attention_triton.attention_bwd(grads[0], *saved, o)
+        return (*attention_triton.attention_bwd(grads[0], *saved, o), None, None, None)
 
 
 @ATTENTION.implementation
@@ -153,7 +225,7 @@ class _Cpu(Impl):
     fwd = compiled("attention_fwd")
 
     def bwd(self, grads, saved, o, needs):
-        return _ext.C.attention_bwd(rowwise(grads[0]), *saved, o)
+        return (*_ext.C.attention_bwd(rowwise(grads[0]), *saved, o), None, None, None)
 
 
 @ATTENTION.implementation
@@ -162,7 +234,7 @@ class _Reference(Impl):
 
     backend = "reference"
     options = EVERY_OPTION
-    features = frozenset({"gqa", "v_head_dim_differs", "last_dim_strided"})
+    features = frozenset({"gqa", "v_head_dim_differs", "last_dim_strided", "attn_mask_grad"})
 
     def fwd(self, q, k, v, o):
         return ref.attention_fwd(q, k, v, o)
@@ -172,8 +244,19 @@ class _Reference(Impl):
 
 
 # ---- public API ---------------------------------------------------------------------------
+def _check_tensor_option(fn: str, name: str, t, q: Tensor, shapes: tuple, what: str,
+                         dtypes=(torch.float32,)) -> None:
+    if t is None:
+        return
+    _checks.tensor(fn, name, t, dtypes=dtypes)
+    _checks.same_device(fn, "q", q, **{name: t})
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{fn}: `{name}` must have shape {' or '.join(map(str, shapes))} "
+                         f"{what}, got {tuple(t.shape)}")
+
+
 def _check(fn: str, q, k, v, o: AttentionOptions) -> AttentionOptions:
-    """Validates the tensors and the options; returns o with scale and dropout_p as floats."""
+    """Validates the tensors and the options; returns o with its numbers as floats."""
     attn_mask, key_padding_mask = o.attn_mask, o.key_padding_mask
     for name, t in (("q", q), ("k", k), ("v", v)):
         _checks.tensor(fn, name, t, dims=(4,))
@@ -209,19 +292,48 @@ def _check(fn: str, q, k, v, o: AttentionOptions) -> AttentionOptions:
             full = torch.broadcast_shapes(attn_mask.shape, (B, H, Lq, Lk))
         except RuntimeError:
             full = None
-        if full != (B, H, Lq, Lk):
+        if full != (B, H, Lq, Lk) or attn_mask.dim() > 4:
             raise ValueError(f"{fn}: `attn_mask` of shape {tuple(attn_mask.shape)} does not "
                              f"broadcast to (B, H, Lq, Lk) = {(B, H, Lq, Lk)}")
     if o.scale is not None:
         o.scale = _checks.number(fn, "scale", o.scale, finite=True)
     o.dropout_p = _checks.number(fn, "dropout_p", o.dropout_p, lo=0.0, hi=1.0, hi_open=True)
+    _check_tensor_option(fn, "alibi_slopes", o.alibi_slopes, q, ((H,), (B, H)),
+                         "(one fp32 slope per head, or per batch row and head)")
+    _check_tensor_option(fn, "sinks", o.sinks, q, ((H,),), "(one sink logit per query head)",
+                         dtypes=_checks.FLOAT_DTYPES)
+    if o.bias_table is not None and o.bias_table.shape[1] != H:
+        raise ValueError(f"{fn}: `position_bias`'s table must be (num_buckets, H) with H = {H} "
+                         f"heads of `q`, got {tuple(o.bias_table.shape)}")
+    if o.bias_table is not None:
+        _checks.same_device(fn, "q", q, **{"position_bias.table": o.bias_table})
     return o
+
+
+def _window(fn: str, window) -> tuple:
+    if window is None:
+        return -1, -1
+    ok = (isinstance(window, (tuple, list)) and len(window) == 2
+          and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window))
+    if not ok:
+        raise ValueError(f"{fn}: `window` must be a pair of ints (left, right), each >= 0 or -1 "
+                         f"(no limit on that side), got {window!r}")
+    return int(window[0]), int(window[1])
+
+
+def _softcap(fn: str, softcap) -> float:
+    if softcap is None:
+        return 0.0
+    return _checks.number(fn, "softcap", softcap, lo=0.0, lo_open=True, finite=True)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: Union[bool, str] = False,
               key_padding_mask: Optional[Tensor] = None, attn_mask: Optional[Tensor] = None,
-              scale: Optional[float] = None, dropout_p: float = 0.0) -> Tensor:
-    """Fused (flash) attention: ``softmax(q k^T * scale + mask) v``, the score matrix never stored.
+              scale: Optional[float] = None, dropout_p: float = 0.0, window=None,
+              softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
+              sinks: Optional[Tensor] = None,
+              position_bias: Optional[RelativePositionBias] = None, return_lse: bool = False):
+    """Fused (flash) attention: ``softmax(q k^T * scale + biases) v``, the scores never stored.
 
     Args:
         q: (B, H, Lq, D); k: (B, Hkv, Lk, D); v: (B, Hkv, Lk, Dv). H must be a multiple of Hkv
@@ -231,57 +343,66 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: Union[bool, str] = Fal
             what decoding with a KV cache needs when Lq < Lk).
         key_padding_mask: bool (B, Lk), **True = padding** (ignored), as nn.MultiheadAttention.
         attn_mask: bool (**True = attend**, as torch SDPA) or float (added to the scores),
-            broadcastable to (B, H, Lq, Lk); read blockwise, never expanded.
+            broadcastable to (B, H, Lq, Lk); read blockwise, never expanded. A float mask may
+            require grad (a learned bias): its gradient, summed over the dims it broadcasts,
+            comes from the kernels' backward.
         scale: default 1/sqrt(D).
         dropout_p: dropout on the attention probabilities, in [0, 1). The mask comes from a
             counter-based RNG seeded from torch's default generator (torch.manual_seed
             reproduces it) and is regenerated, not stored, for the backward.
+        window: ``(left, right)``, FlashAttention's ``window_size``: key j is visible to query
+            i iff ``i + d - left <= j <= i + d + right``, d = Lk - Lq with
+            ``causal="bottom_right"``, else 0; -1: no limit on that side. ``causal=True`` is
+            right = 0. Tiles outside the band are never visited: cost grows with
+            L * (left + right), not L^2.
+        softcap: c > 0: scores become ``c * tanh(s / c)`` after scaling, before the biases and
+            masks (Gemma 2).
+        alibi_slopes: fp32 (H,) or (B, H): adds ``-slope * |i + d - j|`` (ALiBi). Constants:
+            no gradient reaches them.
+        sinks: (H,): a per-head logit that joins every row's softmax denominator and adds no
+            value (gpt-oss); may require grad.
+        position_bias: an :class:`RelativePositionBias` (T5's bucketed bias), computed inside
+            the kernels; its table's gradient comes from the backward.
+        return_lse: also return the per-row log-sum-exp (B, H, Lq), fp32, natural log (sinks
+            included), e.g. to merge partial attentions; it carries no gradient.
 
     Returns:
-        (B, H, Lq, Dv) in q's dtype. A query row whose keys are all masked gets zeros (and zero
-        gradients), never NaN.
+        out (B, H, Lq, Dv) in q's dtype, or ``(out, lse)`` with ``return_lse``. A query row
+        whose keys are all masked (and no sink) gets zeros (and zero gradients), never NaN.
     """
     fn = "attention"
+    _checks.flag(fn, "return_lse", return_lse)
+    if position_bias is not None and not isinstance(position_bias, RelativePositionBias):
+        raise TypeError(f"{fn}: `position_bias` must be a ff.RelativePositionBias, got "
+                        f"{type(position_bias).__name__} (pass a materialized bias as a float "
+                        "`attn_mask`)")
+    left, right = _window(fn, window)
     o = AttentionOptions(causal=causal_mode(fn, causal), scale=scale, dropout_p=dropout_p,
-                         attn_mask=attn_mask, key_padding_mask=key_padding_mask)
-    return run(q, k, v, _check(fn, q, k, v, o))
+                         attn_mask=attn_mask, key_padding_mask=key_padding_mask,
+                         window_left=left, window_right=right, softcap=_softcap(fn, softcap),
+                         alibi_slopes=alibi_slopes, sinks=sinks,
+                         bias_table=None if position_bias is None else position_bias.table)
+    _check(fn, q, k, v, o)
+    out, lse = run(q, k, v, o, position_bias)
+    return (out, lse) if return_lse else out
 
 
-def run(q: Tensor, k: Tensor, v: Tensor, o: AttentionOptions) -> Tensor:
-    """Validated inputs -> output: attn_mask broadcast to 4-D (a view), the dropout stream
-    drawn, the op run."""
-    B, H, Lq, _ = q.shape
-    if o.attn_mask is not None:
-        o.attn_mask = o.attn_mask.expand(B, H, Lq, k.shape[2])
+def run(q: Tensor, k: Tensor, v: Tensor, o: AttentionOptions,
+        position_bias: Optional[RelativePositionBias] = None):
+    """Validated inputs -> (out, lse): the dropout stream drawn, the sinks and the bias table
+    in the accumulation dtype (fp32; fp64 for fp64: a differentiable cast of (H,) /
+    (num_buckets, H) tensors), the T5 buckets, then the op."""
     if o.dropout_p > 0:
         o.rng_state = draw_rng_state()
-    if o.attn_mask is not None and o.attn_mask.requires_grad and torch.is_grad_enabled():
-        # A learned additive bias (e.g. T5's relative positions) needs d(bias) = dS, a full
-        # (B, H, Lq, Lk) tensor that no kernel writes: the reference runs it with autograd.
-        backends.record(backends.Dispatch("attention", "reference", False,
-                                          {"kernels": ["attn_mask requires grad"]}, "reference"))
-        return _differentiable_reference(q, k, v, o)
-    return ATTENTION((q, k, v), o)[0]
-
-
-def _differentiable_reference(q, k, v, o: AttentionOptions):
-    """Eager PyTorch math with autograd (gradients for every input, the bias included)."""
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
     acc = ref.acc_dtype(q.dtype)
-    groups = H // k.shape[1]
-    kf = k.repeat_interleave(groups, 1) if groups > 1 else k
-    vf = v.repeat_interleave(groups, 1) if groups > 1 else v
-    s = torch.matmul(q.to(acc), kf.to(acc).transpose(-1, -2)) * o.scale_for(D) + o.attn_mask.to(acc)
-    allowed = ref.allowed_mask(B, H, Lq, Lk, None, o.key_padding_mask, o.causal, q.device)
-    if allowed is not None:
-        s = s.masked_fill(~allowed, float("-inf"))
-    empty = torch.isneginf(s.amax(-1, keepdim=True))
-    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    if o.dropout_p > 0:
-        keep = keep_mask(o.rng_state, p.shape, o.dropout_p, device=q.device)
-        p = p * keep.to(acc) / (1 - o.dropout_p)
-    return torch.matmul(p, vf.to(acc)).to(q.dtype)
+    if o.sinks is not None and o.sinks.dtype != acc:
+        o.sinks = o.sinks.to(acc)
+    if position_bias is not None:
+        Lq, Lk = q.shape[2], k.shape[2]
+        o.bias_buckets = position_bias.buckets(Lq, Lk, ref.diagonal_offset(Lq, Lk, o.causal))
+        if o.bias_table.dtype != acc:
+            o.bias_table = o.bias_table.to(acc)
+    return ATTENTION((q, k, v), o)
 
 
 def dropout_keep_mask(rng_state: Tensor, shape, dropout_p: float) -> Tensor:

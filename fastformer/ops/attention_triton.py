@@ -19,11 +19,13 @@ from ._opdef import rowwise, seed_offset
 _LOG2E = 1.0 / math.log(2.0)
 
 
-def _mask_args(q: Tensor, o):
+def _mask_args(q: Tensor, Lk: int, o):
     """(mask tensor, its 4 strides, kpm tensor, its 2 strides, MASK_KIND, HAS_KPM); q stands in
     for an absent mask (never read)."""
     from ..triton_kernels import attention as tk
     attn_mask, key_padding_mask = o.attn_mask, o.key_padding_mask
+    if attn_mask is not None:
+        attn_mask = attn_mask.expand(q.shape[0], q.shape[1], q.shape[2], Lk)  # a view
     if attn_mask is None:
         mask, mask_strides, kind = q, (0, 0, 0, 0), tk.MASK_NONE
     else:
@@ -59,7 +61,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, o):
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
-    mask, mask_strides, kpm, kpm_strides, mask_kind, has_kpm = _mask_args(q, o)
+    mask, mask_strides, kpm, kpm_strides, mask_kind, has_kpm = _mask_args(q, Lk, o)
     seed, offset, drop_threshold, drop_scale = _dropout_args(o)
     kernel, config = tk.kernel_and_config("fwd")
     kernel[lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)](
@@ -84,7 +86,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:  # no score at all: every gradient is zero
         return dq.zero_(), dk.zero_(), dv.zero_()
-    mask, mask_strides, kpm, kpm_strides, mask_kind, has_kpm = _mask_args(q, o)
+    mask, mask_strides, kpm, kpm_strides, mask_kind, has_kpm = _mask_args(q, Lk, o)
     seed, offset, drop_threshold, drop_scale = _dropout_args(o)
     block_d = triton.next_power_of_2(D)
     interpret = tk.interpreter_mode()

@@ -92,7 +92,7 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         return _fallback(f"dtype {query.dtype}", *args, **kwargs)
     o = AttentionOptions(causal=CAUSAL_TOP_LEFT if is_causal else CAUSAL_NONE, scale=scale,
                          dropout_p=float(dropout_p), attn_mask=mask)
-    out = run(q, k, v, _check(fn, q, k, v, o))
+    out = run(q, k, v, _check(fn, q, k, v, o))[0]
     return out.reshape(tuple(query.shape[:-1]) + (value.shape[-1],)) if lead else out
 
 
