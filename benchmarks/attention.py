@@ -3,6 +3,14 @@
 FLOPs: forward 4*B*H*L*L*D (half when causal), backward 2.5x the forward. Eager math is
 softmax(q k^T / sqrt(d)) v with the score matrix materialized.
 
+Variant cases (the attention options, against the same call without them or the baseline
+that stands for them): a sliding window (left 512, causal) at (1, 8, 8192, 64) against our
+full causal call ("ours_full") and SDPA given the equivalent boolean band mask ("sdpa");
+softcap, ALiBi and sinks at (1, 8, 2048, 64) against the same call without the option
+("ours_plain"); the T5 relative-position bias at (8, 8, 512, 64) against Hugging Face's eager
+T5 attention math with its materialized (1, H, L, L) bias ("eager"). FLOPs of a window case:
+the band's pairs only.
+
 Baselines that would take longer than BUDGET_S per call are skipped with their estimate: torch's
 bf16 matmul runs at ~1 GFLOP/s on CPUs without AVX512-BF16/AMX (AVX2-only ones), so eager
 bf16 at L = 4096 would take minutes per call. Estimates come from each candidate's throughput on a
@@ -81,15 +89,95 @@ def cases(device: str, dtypes: list, quick: bool = False):
     if not quick and torch.float32 in dtypes:
         yield dict(shape=MEMORY_SHAPE, dtype=torch.float32, causal=False, mode="fwd+bwd",
                    device=device, memory_only=True)
+    if quick:
+        return
+    for dtype in dtypes:
+        for mode in ("fwd", "fwd+bwd"):
+            yield dict(variant="window", shape=WINDOW_SHAPE, dtype=dtype, causal=True, mode=mode,
+                       device=device)
+            for variant in ("softcap", "alibi", "sinks"):
+                yield dict(variant=variant, shape=OPTION_SHAPE, dtype=dtype, causal=False,
+                           mode=mode, device=device)
+        yield dict(variant="t5", shape=T5_SHAPE, dtype=dtype, causal=False, mode="fwd+bwd",
+                   device=device)
 
 
 def case_name(c: dict) -> str:
     """The row's case name, known before build() allocates anything (single_call filters on it)."""
     B, H, L, D = c["shape"]
-    return f"({B}, {H}, {L}, {D}){' causal' if c['causal'] else ''}"
+    variant = {"window": f" window {WINDOW}", "softcap": f" softcap {SOFTCAP}", "alibi": " alibi",
+               "sinks": " sinks", "t5": " T5 bias"}.get(c.get("variant"), "")
+    return f"({B}, {H}, {L}, {D}){' causal' if c['causal'] else ''}{variant}"
+
+
+WINDOW_SHAPE, WINDOW = (1, 8, 8192, 64), (512, 0)
+OPTION_SHAPE, SOFTCAP = (1, 8, 2048, 64), 30.0
+T5_SHAPE, T5_BUCKETS = (8, 8, 512, 64), 32
+
+
+def _variant_candidates(c: dict, q, k, v):
+    """{name: fn(q, k, v, causal)} of a variant case, and its FLOPs."""
+    B, H, L, D = c["shape"]
+    g = torch.Generator(device="cpu").manual_seed(1)
+    variant = c["variant"]
+    if variant == "window":
+        i, j = torch.arange(L)[:, None], torch.arange(L)[None, :]
+        band = ((j <= i) & (j >= i - WINDOW[0])).to(q.device)
+        pairs = int(band.sum())
+        work = 4 * B * H * pairs * D * (3.5 if c["mode"] == "fwd+bwd" else 1.0)
+        return {"ours": lambda q, k, v, causal: ff.attention(q, k, v, causal=True, window=WINDOW),
+                "ours_full": lambda q, k, v, causal: ff.attention(q, k, v, causal=True),
+                "sdpa": lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, attn_mask=band)}, work
+    work = flops(c["shape"], False, c["mode"])
+    if variant == "t5":
+        table = torch.randn(T5_BUCKETS, H, generator=g).to(q.device, q.dtype).requires_grad_()
+        bias = ff.RelativePositionBias(table, bidirectional=True, max_distance=128)
+        buckets = bias.buckets(L, L).long()
+
+        def hf_eager(q, k, v, causal):
+            # Hugging Face's eager T5 attention: no scaling, the bias materialized and added
+            rel = torch.arange(L)[None, :] - torch.arange(L)[:, None]
+            position_bias = table[buckets[rel + L - 1]].permute(2, 0, 1)[None]
+            s = torch.matmul(q, k.transpose(-1, -2)) + position_bias
+            return torch.matmul(torch.softmax(s, dim=-1), v)
+        return {"ours": lambda q, k, v, causal: ff.attention(q, k, v, scale=1.0, position_bias=bias),
+                "eager": hf_eager}, work
+    kw = {"softcap": dict(softcap=SOFTCAP),
+          "alibi": dict(alibi_slopes=(2.0 ** -torch.arange(1, H + 1, dtype=torch.float32)).to(q.device)),
+          "sinks": dict(sinks=torch.randn(H, generator=g).to(q.device))}[variant]
+    return {"ours": lambda q, k, v, causal: ff.attention(q, k, v, **kw),
+            "ours_plain": lambda q, k, v, causal: ff.attention(q, k, v)}, work
+
+
+def _build_variant(c: dict):
+    shape, dtype, mode, device = c["shape"], c["dtype"], c["mode"], c["device"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = [torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+               .requires_grad_(mode != "fwd") for _ in range(3)]
+    grad_out = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    candidates, work = _variant_candidates(c, q, k, v)
+    fns = {name: _step(fn, q, k, v, c["causal"], mode, grad_out) for name, fn in candidates.items()}
+
+    def error():
+        with torch.no_grad():
+            qd, kd, vd = (t.detach() for t in (q, k, v))
+            if c["variant"] == "window":  # the last 256 queries (the reference materializes)
+                n = 256 + WINDOW[0]
+                qd, kd, vd = qd[:, :, -256:], kd[:, :, -n:], vd[:, :, -n:]
+                fn = lambda q, k, v, causal: ff.attention(q, k, v, causal="bottom_right", window=WINDOW)  # noqa: E731
+            else:
+                fn = candidates["ours"]
+            with ff.use_backend("reference"):
+                ref = fn(qd.double(), kd.double(), vd.double(), c["causal"])
+            return max_abs_err(fn(qd, kd, vd, c["causal"]), ref)
+    row = Row("attention", case_name(c), str(dtype).replace("torch.", ""), mode, {},
+              {"flops": work})
+    return fns, row, error
 
 
 def build(c: dict):
+    if c.get("variant"):
+        return _build_variant(c)
     shape, dtype, causal, mode, device = c["shape"], c["dtype"], c["causal"], c["mode"], c["device"]
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v = [torch.randn(shape, generator=g).to(device=device, dtype=dtype)

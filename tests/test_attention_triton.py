@@ -4,24 +4,29 @@ Every test forces the triton backend (conftest sets TRITON_INTERPRET=1, so it ru
 tensors). Oracle (ARCHITECTURE.md, "Numerical policy"): eager PyTorch autograd in fp64 for fp32
 inputs (forward atol=rtol=1e-5, gradients 1e-4) and in fp32 for fp16/bf16 inputs, which follow
 the error-ratio rule against eager PyTorch in the same dtype (tests/oracle.py). The interpreter
-costs milliseconds per program, so batch and heads stay small and its blocks are 128 wide; one
-test shrinks the blocks to walk the many-block causal paths that GPUs take. The `gpu` tests at
-the end run the compiled kernels on CUDA tensors (TRITON_INTERPRET=0, benchmarks/gpu_check.sh).
+costs milliseconds per program, so batch and heads stay small and its blocks are 128 wide; the
+causal and window tests shrink the blocks to walk the many-block paths that GPUs take. The
+score variants (window, softcap, ALiBi, sinks, the T5 bias table, learned float masks) have
+their own eager oracle, eager_variants, independent of fastformer.reference, and are checked
+on the gradients of the sinks, the table and the mask too. The `gpu` tests at the end run the
+compiled kernels on CUDA tensors (TRITON_INTERPRET=0, benchmarks/gpu_check.sh).
 """
 import math
 
 import pytest
 import torch
 from attention_oracle import rising_score_inputs
-from oracle import check
+from oracle import check, row_sum_tol
 
 import fastformer as ff
 from fastformer.ops import attention_triton
 from fastformer.ops.attention import AttentionOptions, dropout_keep_mask
 from fastformer.reference.rng import draw_rng_state
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 tk = pytest.importorskip("fastformer.triton_kernels.attention")
+tko = pytest.importorskip("fastformer.triton_kernels.attention_options")
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 DTYPES = [F32, F16, BF16]
@@ -281,6 +286,293 @@ def test_dropout_reproducible_and_matches_eager_with_its_mask(dtype):
     compare(q, k, v, dout, keep=keep, **kw)
 
 
+# ---- score variants: window, softcap, ALiBi, sinks, T5 bias table, learned masks --------------
+def eager_variants(q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None,
+                   sinks=None, bias=None, attn_mask=None, key_padding_mask=None, scale=None,
+                   dropout_p=0.0, keep=None):
+    """The variants as a PyTorch user writes them, in q's dtype, independent of
+    fastformer.reference: window and ALiBi from index arithmetic (aligned to d = Lk - Lq for
+    bottom-right causality, else 0), the T5 bias gathered into an (H, Lq, Lk) tensor from
+    bias = (table, buckets), sinks as one more key column whose probability is dropped (as
+    Hugging Face's gpt-oss eager attention). Option tensors are cast to q's dtype (a
+    differentiable cast). Rows with no allowed key and no sink give 0."""
+    B, H, Lq, D = q.shape
+    Hkv, Lk = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(H // Hkv, 1)
+    v = v.repeat_interleave(H // Hkv, 1)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i, j = torch.arange(Lq, device=q.device)[:, None], torch.arange(Lk, device=q.device)[None, :]
+    rel = j - i - (Lk - Lq if causal == "bottom_right" else 0)   # key - query - d
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.to(s.dtype)
+        slopes = slopes[None, :, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
+        s = s - slopes * rel.abs().to(s.dtype)
+    if bias is not None:
+        table, buckets = bias
+        s = s + table.to(s.dtype)[buckets.long()[j - i + Lq - 1]].permute(2, 0, 1)
+    allowed = torch.ones(B, H, Lq, Lk, dtype=torch.bool, device=q.device)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        allowed &= attn_mask
+    elif attn_mask is not None:
+        s = s + attn_mask.to(s.dtype)
+    if key_padding_mask is not None:
+        allowed &= ~key_padding_mask[:, None, None, :]
+    left, right = (-1, -1) if window is None else window
+    if causal:
+        allowed &= rel <= 0
+    if left >= 0:
+        allowed &= rel >= -left
+    if right >= 0:
+        allowed &= rel <= right
+    s = s.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(s.dtype).reshape(1, H, 1, 1).expand(B, H, Lq, 1)
+        p = torch.softmax(torch.cat([s, column], -1), -1)[..., :-1]
+    else:
+        empty = torch.isneginf(s).all(-1, keepdim=True)
+        p = torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(empty, 0.0)
+    if keep is not None:
+        p = p * keep.to(p.device, p.dtype) / (1.0 - dropout_p)
+    return p @ v
+
+
+def _run_variants(fn, q, k, v, dout, learned, **kw):
+    """Forward + backward of fn(q, k, v, **learned, **kw); learned: the float tensors whose
+    gradients are checked. Returns (out, {name: grad} for q, k, v and each learned tensor)."""
+    leaves = {n: t.detach().clone().requires_grad_(True)
+              for n, t in (("q", q), ("k", k), ("v", v), *learned.items())}
+    out = fn(leaves["q"], leaves["k"], leaves["v"],
+             **{n: t for n, t in leaves.items() if n not in "qkv"}, **kw)
+    grads = torch.autograd.grad(out, list(leaves.values()), dout)
+    return out.detach(), dict(zip(leaves, grads))
+
+
+def _triton_variants(q, k, v, *, table=None, bidirectional=True, **kw):
+    """ff.attention on the triton backend; table: a T5 bias table (ff.RelativePositionBias)."""
+    if table is not None:
+        kw["position_bias"] = ff.RelativePositionBias(table, bidirectional=bidirectional)
+    with ff.use_backend("triton"):
+        out = ff.attention(q, k, v, **kw)
+    assert ff.last_dispatch().backend == "triton", ff.last_dispatch()
+    return out
+
+
+def _oracle_variants(q, k, v, *, table=None, bidirectional=True, **kw):
+    if table is not None:
+        Lq, Lk = q.shape[2], k.shape[2]
+        d = Lk - Lq if kw.get("causal") == "bottom_right" else 0
+        position_bias = ff.RelativePositionBias(table.detach(), bidirectional=bidirectional)
+        buckets = position_bias.buckets(Lq, Lk, d)
+        kw["bias"] = (table, buckets)
+    return eager_variants(q, k, v, **kw)
+
+
+def compare_variants(q, k, v, dout, *, learned=(), opt_tol=1e-4, **kw):
+    """Ours vs the oracle (fp64 for fp32, fp32 for fp16/bf16, and eager in the same low
+    precision for the ratio rule) on out, dq, dk, dv and the gradient of every tensor in
+    `learned` (sinks, table, attn_mask); kw: the other keywords (keep: the dropout mask for the
+    oracle, not passed to ours). Returns ours."""
+    learned = dict(learned)
+    ours_kw = {n: a for n, a in kw.items() if n != "keep"}
+    out, grads = _run_variants(_triton_variants, q, k, v, dout, learned, **ours_kw)
+    oracle_dtype = torch.float64 if q.dtype == F32 else F32
+    def up(a):
+        return a.to(oracle_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+    out_o, grads_o = _run_variants(_oracle_variants, *(up(t) for t in (q, k, v, dout)),
+                                   {n: up(t) for n, t in learned.items()},
+                                   **{n: up(a) for n, a in kw.items()})
+    out_l, grads_l = None, dict.fromkeys(grads)
+    if q.dtype != F32:
+        out_l, grads_l = _run_variants(_oracle_variants, q, k, v, dout, learned, **kw)
+    check("out", out, out_o, out_l)
+    for name in grads:
+        tol = 1e-4 if name in "qkv" else opt_tol
+        check(f"d{name}", grads[name], grads_o[name], grads_l[name], grad=True, atol=tol, rtol=tol)
+    return out, grads
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 16 and 32 (mixed, as GPU configs): a band then cuts several blocks per row
+    block, and whole blocks fall outside it."""
+    monkeypatch.setitem(tk.INTERPRETER_CONFIGS, "fwd", dict(BLOCK_M=32, BLOCK_N=16))
+    monkeypatch.setitem(tk.INTERPRETER_CONFIGS, "dkdv", dict(BLOCK_M=16, BLOCK_N=32))
+    monkeypatch.setitem(tk.INTERPRETER_CONFIGS, "dq", dict(BLOCK_M=32, BLOCK_N=16))
+
+
+WINDOWS = [(0, 0), (1, 1), (5, -1), (-1, 5), (300, 300), (23, 9)]  # 300: wider than L
+
+
+@pytest.mark.parametrize("Lq,Lk", [(37, 90), (90, 37)])
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+def test_window(small_blocks, window, causal, Lq, Lk):
+    q, k, v, dout = make_qkv(1, 1, 1, Lq, Lk, 16, F32)
+    compare_variants(q, k, v, dout, window=window, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
+def test_window_low_precision(small_blocks, dtype):
+    q, k, v, dout = make_qkv(1, 2, 1, 70, 113, 64, dtype)
+    compare_variants(q, k, v, dout, window=(20, 3), causal="bottom_right")
+
+
+def test_window_never_visits_blocks_outside_the_band(monkeypatch):
+    """NaN in every K/V row (then Q/dO row) of the blocks wholly outside the band: a kernel
+    that loaded one into a dot would turn its output or gradients to NaN (0 * NaN), even with
+    every score masked. Ours runs on the poisoned inputs, the oracle on the clean ones."""
+    for kind in ("fwd", "dkdv", "dq"):
+        monkeypatch.setitem(tk.INTERPRETER_CONFIGS, kind, dict(BLOCK_M=16, BLOCK_N=16))
+    # 16 queries see keys [i + 144 - 20, i + 144]: key blocks below 112 are outside.
+    q, k, v, dout = make_qkv(1, 1, 1, 16, 160, 16, F32)
+    kw = dict(window=(20, 0), causal="bottom_right")
+    k_bad, v_bad = k.clone(), v.clone()
+    k_bad[:, :, :112] = v_bad[:, :, :112] = float("nan")
+    out, grads = _run_variants(_triton_variants, q, k_bad, v_bad, dout, {}, **kw)
+    out_o, grads_o = _run_variants(_oracle_variants, *(t.double() for t in (q, k, v, dout)), {},
+                                   **kw)
+    check("out", out, out_o)
+    for name in "qkv":
+        check(f"d{name}", grads[name], grads_o[name], atol=1e-4, rtol=1e-4)
+    # Query i sees keys j >= i - 4 (of 16): query blocks from 32 on see none.
+    q, k, v, dout = make_qkv(1, 1, 1, 160, 16, 16, F32)
+    q_bad, dout_bad = q.clone(), dout.clone()
+    q_bad[:, :, 32:] = dout_bad[:, :, 32:] = float("nan")
+    out, grads = _run_variants(_triton_variants, q_bad, k, v, dout_bad, {}, window=(4, -1))
+    out_o, grads_o = _run_variants(_oracle_variants, *(t.double() for t in (q, k, v, dout)), {},
+                                   window=(4, -1))
+    check("out", out, out_o)
+    for name in "qkv":
+        check(f"d{name}", grads[name], grads_o[name], atol=1e-4, rtol=1e-4)
+
+
+@triton.jit
+def _tanh_kernel(x_ptr, y_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(y_ptr + offs, tko.tanh(tl.load(x_ptr + offs)))
+
+
+def test_softcap_tanh_is_accurate():
+    """The kernels' fp32 tanh (attention_options.tanh, built from exp2: libdevice's does not
+    run under the interpreter) within 4 ulps of tanh over small, large and saturated inputs."""
+    x = torch.cat([torch.linspace(-30, 30, 2001), torch.logspace(-30, 0, 1000),  # 4096 in all
+                   -torch.logspace(-8, 1, 1091), torch.tensor([0.0, 0.25, -0.25, 0.2499999])])
+    y = torch.empty_like(x)
+    _tanh_kernel[(1,)](x, y, N=x.numel())
+    exact = torch.tanh(x.double())
+    ulps = (y.double() - exact).abs() / (torch.finfo(F32).eps * exact.abs().clamp_min(1e-38))
+    assert ulps.max() <= 4, f"{float(ulps.max()):.2f} ulps at x = {float(x[ulps.argmax()])}"
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("causal,Lq,Lk", [(False, 113, 70), ("bottom_right", 70, 113)])
+def test_softcap(dtype, causal, Lq, Lk):
+    q, k, v, dout = make_qkv(1, 2, 2, Lq, Lk, 64, dtype)
+    compare_variants(q, k, v, dout, softcap=3.0, scale=0.5, causal=causal)  # |s| ~ 4: tanh bends
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("per_batch", [False, True], ids=["H", "BH"])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_alibi(dtype, per_batch, causal):
+    B, H, Lq, Lk = 2, 2, 70, 113
+    q, k, v, dout = make_qkv(B, H, H, Lq, Lk, 40, dtype)
+    g = torch.Generator().manual_seed(5)
+    slopes = torch.rand((B, H) if per_batch else (H,), generator=g) * 0.5
+    compare_variants(q, k, v, dout, alibi_slopes=slopes, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_sinks_with_fully_masked_rows(dtype):
+    """Sinks with their gradient; batch 1 has every key padded and batch 0 query 5 every key
+    masked: there out = 0 and lse = sink (ff.attention's return_lse)."""
+    B, H, Lq, Lk = 2, 2, 70, 113
+    q, k, v, dout = make_qkv(B, H, 1, Lq, Lk, 64, dtype)
+    sinks = torch.tensor([0.5, -1.0])
+    mask = torch.rand(B, 1, Lq, Lk, generator=torch.Generator().manual_seed(4)) < 0.8
+    mask[0, :, 5] = False
+    kw = dict(attn_mask=mask, key_padding_mask=padding_mask(B, Lk), causal="bottom_right")
+    out, _ = compare_variants(q, k, v, dout, learned={"sinks": sinks}, **kw)
+    empty = torch.zeros(B, H, Lq, dtype=torch.bool)
+    empty[1], empty[0, :, 5] = True, True
+    assert (out[empty] == 0).all()
+    with ff.use_backend("triton"):
+        _, lse = ff.attention(q, k, v, sinks=sinks, return_lse=True, **kw)
+    assert torch.equal(lse[empty], sinks[None, :, None].expand(B, H, Lq)[empty])
+    assert torch.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("causal,bidirectional,Lq,Lk",
+                         [(False, True, 113, 70), ("bottom_right", False, 70, 113),
+                          ("top_left", True, 70, 113)])
+def test_bias_table(dtype, causal, bidirectional, Lq, Lk):
+    """T5's bucketed bias (ff.RelativePositionBias) with its table's gradient; the decoder's
+    table is a transposed view (strides (1, 32))."""
+    H = 2
+    q, k, v, dout = make_qkv(2, H, H, Lq, Lk, 64, dtype)
+    table = torch.randn(H, 32, generator=torch.Generator().manual_seed(6)).t()
+    if bidirectional:
+        table = table.contiguous()
+    compare_variants(q, k, v, dout, learned={"table": table}, bidirectional=bidirectional,
+                     causal=causal)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)
+@pytest.mark.parametrize("shape", ["heads_shared", "batch_shared", "2d", "full", "keys_shared"])
+def test_learned_float_mask(dtype, shape):
+    """A float mask that requires grad: d attn_mask in its own shape and dtype, dS summed over
+    its broadcast dims (atomics; keys_shared: every key of a tile row adds into one element),
+    or stored as is (no broadcast dim)."""
+    B, H, Lq, Lk = 2, 2, 70, 113
+    q, k, v, dout = make_qkv(B, H, H, Lq, Lk, 40, dtype)
+    shapes = {"heads_shared": (1, H, Lq, Lk), "batch_shared": (B, 1, Lq, Lk), "2d": (Lq, Lk),
+              "full": (B, H, Lq, Lk), "keys_shared": (B, H, Lq, 1)}
+    mask = torch.randn(shapes[shape], generator=torch.Generator().manual_seed(7))
+    mask = mask.to(dtype if dtype != F16 else F32)
+    _, grads = compare_variants(q, k, v, dout, learned={"attn_mask": mask}, causal="bottom_right")
+    assert grads["attn_mask"].shape == mask.shape and grads["attn_mask"].dtype == mask.dtype
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_every_option_with_gqa_and_dropout(small_blocks, dtype):
+    B, H, Hkv, Lq, Lk, D, p = 2, 4, 2, 70, 113, 40, 0.2
+    q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype)
+    g = torch.Generator().manual_seed(8)
+    learned = {"sinks": torch.randn(H, generator=g), "table": torch.randn(16, H, generator=g),
+               "attn_mask": torch.randn(1, H, Lq, Lk, generator=g).to(dtype)}
+    kw = dict(causal="bottom_right", window=(30, 0), softcap=8.0, dropout_p=p,
+              alibi_slopes=torch.rand(B, H, generator=g) * 0.1,
+              key_padding_mask=padding_mask(B, Lk))
+    torch.manual_seed(7)
+    keep = dropout_keep_mask(draw_rng_state(), (B, H, Lq, Lk), p)
+    torch.manual_seed(7)
+    compare_variants(q, k, v, dout, learned=learned, keep=keep, **kw)
+
+
+def test_variants_on_the_custom_op_route(monkeypatch):
+    """FASTFORMER_EAGER_VIA_OPS=1: the option gradients come back through the custom ops."""
+    q, k, v, dout = make_qkv(1, 2, 1, 17, 40, 16, F32)
+    g = torch.Generator().manual_seed(9)
+    learned = {"sinks": torch.randn(2, generator=g), "table": torch.randn(8, 2, generator=g),
+               "attn_mask": torch.randn(17, 40, generator=g)}
+    kw = dict(causal="bottom_right", window=(6, 2), softcap=5.0, alibi_slopes=torch.rand(2))
+    eager_route = _run_variants(_triton_variants, q, k, v, dout, learned, **kw)
+    monkeypatch.setenv("FASTFORMER_EAGER_VIA_OPS", "1")
+    ff.backends.reload_env()
+    try:
+        op_route = _run_variants(_triton_variants, q, k, v, dout, learned, **kw)
+    finally:
+        monkeypatch.delenv("FASTFORMER_EAGER_VIA_OPS")
+        ff.backends.reload_env()
+    assert torch.equal(eager_route[0], op_route[0])
+    for name, grad in eager_route[1].items():
+        torch.testing.assert_close(op_route[1][name], grad, atol=1e-6, rtol=1e-6)  # atomics
+
+
 # ---- the compiled kernels on a GPU -----------------------------------------------------------
 # `TRITON_INTERPRET=0 pytest -m gpu tests` (benchmarks/gpu_check.sh): with the interpreter on,
 # triton would interpret these too, so they skip. One fixed config per kernel (its first GPU
@@ -320,6 +612,23 @@ def test_gpu_masks_and_gqa(cuda_compiled, dtype):
     mask = attn_mask(kind, B, H, Lq, Lk, F32).to(cuda_compiled)
     compare(q, k, v, dout, attn_mask=mask, causal="bottom_right",
             key_padding_mask=padding_mask(B, Lk, device=cuda_compiled))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=str)
+def test_gpu_variants(cuda_compiled, dtype):
+    """Window, softcap, ALiBi, sinks, the T5 table and a learned mask together (fp32 atomics
+    for the table and the broadcast mask's gradients), GQA, Lq != Lk."""
+    B, H, Hkv, Lq, Lk, D = 2, 8, 2, 300, 411, 128 if dtype == BF16 else 64
+    dev = cuda_compiled
+    q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype, device=dev)
+    g = torch.Generator().manual_seed(8)
+    learned = {"sinks": torch.randn(H, generator=g).to(dev),
+               "table": torch.randn(32, H, generator=g).to(dev),
+               "attn_mask": torch.randn(1, H, Lq, Lk, generator=g).to(dev, dtype)}
+    compare_variants(q, k, v, dout, learned=learned, window=(100, 20),
+                     softcap=10.0, alibi_slopes=(torch.rand(H, generator=g) * 0.05).to(dev),
+                     opt_tol=row_sum_tol(1e-4, B * Lq))
 
 
 @pytest.mark.gpu

@@ -30,6 +30,7 @@ from fastformer.reference import attention as ref
 ROOT = Path(__file__).resolve().parents[1]
 LOWP = [torch.float16, torch.bfloat16]
 CAUSAL = {0: False, 1: "top_left", 2: "bottom_right"}
+NO_WINDOW = (-1, -1)  # (window_left, window_right); -1: no limit on that side
 ACTIVATIONS = {0: F.relu, 1: F.gelu, 2: lambda x: F.gelu(x, approximate="tanh"), 3: F.silu}
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # fastformer::DType
 gpu = pytest.mark.gpu
@@ -73,12 +74,14 @@ class _RoundTo(torch.autograd.Function):
         return grad.to(ctx.dtype).to(grad.dtype), None
 
 
-def eager_attention(q, k, v, kpm, causal, scale, rnd=lambda t: t):
+def eager_attention(q, k, v, kpm, causal, scale, rnd=lambda t: t, window=NO_WINDOW, softcap=0.0):
     """What a PyTorch user writes; rnd(t) rounds each op's result (see eager_lowp_grads)."""
     H, Hkv, Lq, Lk = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
     k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
     s = rnd(rnd(q @ k.transpose(-1, -2)) * scale)
-    allowed = ref.allowed_mask(q.shape[0], H, Lq, Lk, None, kpm, causal, q.device)
+    if softcap:
+        s = rnd(softcap * rnd(torch.tanh(rnd(s / softcap))))
+    allowed = ref.allowed_mask(q.shape[0], H, Lq, Lk, None, kpm, causal, q.device, *window)
     if allowed is not None:
         s = s.masked_fill(~allowed, float("-inf"))
     empty = torch.isneginf(s).all(-1, keepdim=True)  # rows without a key (also when Lk = 0)
@@ -86,7 +89,7 @@ def eager_attention(q, k, v, kpm, causal, scale, rnd=lambda t: t):
     return rnd(p @ v)
 
 
-def eager_lowp_grads(q, k, v, dout, kpm, causal, scale):
+def eager_lowp_grads(q, k, v, dout, kpm, causal, scale, window=NO_WINDOW, softcap=0.0):
     """(out, dq, dk, dv) of eager attention in q's low precision (the policy's torch_lowp). On
     CPU, where fp16/bf16 matmuls are slow, the same thing as fp32 math rounded to the dtype after
     every op and every op's gradient (what the low-precision kernels do: fp32 accumulation, one
@@ -94,21 +97,27 @@ def eager_lowp_grads(q, k, v, dout, kpm, causal, scale):
     dtype = q.dtype
     if q.is_cuda:
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        out = eager_attention(*leaves, kpm, causal, scale)
+        out = eager_attention(*leaves, kpm, causal, scale, window=window, softcap=softcap)
     else:
         leaves = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
-        out = eager_attention(*leaves, kpm, causal, scale, lambda t: _RoundTo.apply(t, dtype))
+        out = eager_attention(*leaves, kpm, causal, scale, lambda t: _RoundTo.apply(t, dtype),
+                              window, softcap)
     grads = torch.autograd.grad(out, leaves, dout.to(out.dtype))
     return tuple(t.detach().to(dtype) for t in (out, *grads))
 
 
-def check_attention(ours, q, k, v, dout, kpm, causal, scale):
+def attention_options(causal, scale, kpm, window=NO_WINDOW, softcap=0.0):
+    return AttentionOptions(causal=causal, scale=scale, key_padding_mask=kpm,
+                            window_left=window[0], window_right=window[1], softcap=softcap)
+
+
+def check_attention(ours, q, k, v, dout, kpm, causal, scale, window=NO_WINDOW, softcap=0.0):
     """ours = (out, lse or None, dq, dk, dv); oracle: the fp32 reference, torch_lowp: eager."""
     f32 = [t.float() for t in (q, k, v, dout)]
-    o = AttentionOptions(causal=causal, scale=scale, key_padding_mask=kpm)
+    o = attention_options(causal, scale, kpm, window, softcap)
     out32, lse32 = ref.attention_fwd(*f32[:3], o)
     grads32 = ref.attention_bwd(f32[3], *f32[:3], out32, lse32, o)
-    lowp = eager_lowp_grads(q, k, v, dout, kpm, causal, scale)
+    lowp = eager_lowp_grads(q, k, v, dout, kpm, causal, scale, window, softcap)
     out, lse, *grads = ours
     check("out", out, out32, lowp[0])
     if lse is not None:
@@ -170,6 +179,47 @@ def test_attention_gpu_shapes(case):
     _, lse = _ext.C.cuda_attention_fwd(q, k, v, AttentionOptions(causal=causal, scale=scale,
                                                                 key_padding_mask=kpm))
     check_attention((out.detach(), lse, *grads), q, k, v, dout, kpm, causal, scale)
+
+
+# (Lq, Lk, causal, window, softcap): windows of 0 and 1, one-sided, two-sided, wider than the
+# sequences, under every causal alignment (causal keeps right = 0 whatever the window says) and
+# Lq != Lk both ways; softcap alone and with a window.
+GPU_VARIANTS = [
+    (203, 113, 0, (0, 0), 0.0),
+    (113, 203, 0, (1, 1), 0.0),
+    (113, 203, 1, (17, -1), 0.0),
+    (203, 113, 2, (1, -1), 0.0),       # rows 0..89 see no key
+    (113, 203, 0, (-1, 5), 0.0),
+    (203, 113, 0, (40, 70), 0.0),
+    (113, 203, 1, (10, 7), 0.0),
+    (1031, 1500, 2, (256, -1), 0.0),   # most key blocks skipped by every query block
+    (113, 203, 2, (1000, 1000), 0.0),  # wider than the sequences: causality alone
+    (113, 203, 0, NO_WINDOW, 5.0),
+    (203, 113, 1, NO_WINDOW, 0.75),    # scores well into tanh's saturation
+    (113, 203, 2, (64, 0), 2.5),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", LOWP, ids=str)
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("Lq,Lk,causal,window,softcap", GPU_VARIANTS, ids=str)
+@pytest.mark.parametrize("pad", [False, True], ids=["nopad", "pad"])
+def test_attention_gpu_window_softcap(dtype, D, Lq, Lk, causal, window, softcap, pad):
+    _need_cuda_backend()
+    q, k, v, dout, kpm = attention_inputs(dtype, D, 2, 4, 2, Lq, Lk, pad, device="cuda")
+    scale = D ** -0.5
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    with ff.use_backend("cuda"):
+        out = ff.attention(*leaves, causal=CAUSAL[causal], key_padding_mask=kpm,
+                           window=None if window == NO_WINDOW else window,
+                           softcap=softcap or None)
+        assert ff.last_dispatch().backend == "cuda"
+        grads = torch.autograd.grad(out, leaves, dout)
+    _, lse = _ext.C.cuda_attention_fwd(q, k, v, attention_options(causal, scale, kpm, window,
+                                                                  softcap))
+    check_attention((out.detach(), lse, *grads), q, k, v, dout, kpm, causal, scale, window,
+                    softcap)
 
 
 @gpu
@@ -386,7 +436,7 @@ def _bits(t: torch.Tensor) -> np.ndarray:
 
 
 # (dtype, D, B, H, Hkv, Lq, Lk, causal, pad, cp.async mode, scheduling seed)
-EMU_ATTENTION_CASES = [
+EMU_BASE_CASES = [
     (torch.float16, 64, 2, 4, 2, 113, 203, 1, True, "eager", 1),
     (torch.bfloat16, 64, 1, 2, 1, 203, 113, 2, False, "lazy", 2),
     (torch.float16, 128, 2, 2, 2, 203, 113, 1, True, "lazy", 3),
@@ -397,22 +447,63 @@ EMU_ATTENTION_CASES = [
     (torch.bfloat16, 64, 2, 3, 1, 1, 203, 2, True, "eager", 8),   # decode: one query row
     (torch.float16, 128, 1, 2, 1, 17, 0, 0, False, "lazy", 9),    # no keys at all
 ]
+# The same, then (window, softcap, unread): unread = None or keys [j0, j1) that no query block
+# of the forward and no key block of the backward may read (their k and v are NaN in the
+# kernels' input, the oracle sees the real values): the key blocks wholly outside the band are
+# not visited.
+EMU_VARIANT_CASES = [
+    # windows of 0 and 1 key, two-sided, under no causality; Lq != Lk both ways
+    (torch.float16, 64, 2, 4, 2, 113, 203, 0, True, "eager", 11, (0, 0), 0.0, None),
+    (torch.bfloat16, 128, 1, 2, 1, 203, 113, 0, False, "lazy", 12, (1, 1), 0.0, None),
+    (torch.bfloat16, 64, 1, 2, 2, 203, 113, 0, True, "lazy", 13, (40, 70), 0.0, None),
+    # one-sided windows
+    (torch.float16, 128, 2, 2, 1, 113, 203, 0, False, "eager", 14, (-1, 5), 0.0, None),
+    (torch.bfloat16, 64, 1, 4, 2, 203, 113, 1, True, "eager", 15, (17, -1), 0.0, None),
+    (torch.float16, 64, 1, 2, 1, 203, 113, 2, False, "lazy", 16, (1, -1), 0.0, None),
+    (torch.bfloat16, 128, 2, 2, 2, 113, 203, 2, True, "lazy", 17, (0, -1), 0.0, None),
+    # causal keeps right = 0 whatever the window says
+    (torch.float16, 128, 1, 2, 1, 113, 203, 1, False, "eager", 18, (10, 7), 0.0, None),
+    (torch.bfloat16, 64, 2, 2, 1, 203, 113, 2, True, "eager", 19, (3, 9), 0.0, None),
+    # wider than the sequences: the window changes nothing
+    (torch.float16, 64, 1, 2, 2, 113, 203, 2, True, "lazy", 20, (1000, 1000), 0.0, None),
+    (torch.bfloat16, 128, 1, 2, 1, 203, 113, 0, False, "eager", 21, (500, -1), 0.0, None),
+    # key blocks outside every band are skipped: a window on the few first keys (the
+    # forward's key loop and the backward's grid end early), decoding with a sliding window
+    # (the loop starts late), many query and key blocks with blocks skipped at both ends
+    (torch.float16, 64, 1, 2, 1, 64, 400, 0, False, "eager", 22, (0, 10), 0.0, (128, 400)),
+    (torch.bfloat16, 128, 2, 3, 1, 1, 400, 2, True, "lazy", 23, (50, -1), 0.0, (0, 320)),
+    (torch.float16, 128, 1, 2, 2, 300, 420, 2, False, "lazy", 24, (30, -1), 0.0, (0, 64)),
+    (torch.bfloat16, 64, 1, 2, 1, 350, 300, 1, True, "eager", 25, (60, -1), 0.0, None),
+    # softcap: alone, strong (0.75: saturated scores), with causality and padding, with a window
+    (torch.float16, 64, 2, 4, 2, 113, 203, 0, True, "eager", 26, NO_WINDOW, 5.0, None),
+    (torch.bfloat16, 64, 1, 2, 1, 203, 113, 1, False, "lazy", 27, NO_WINDOW, 0.75, None),
+    (torch.float16, 128, 2, 2, 2, 203, 113, 2, True, "lazy", 28, NO_WINDOW, 0.75, None),
+    (torch.bfloat16, 128, 2, 4, 2, 113, 203, 0, True, "eager", 29, NO_WINDOW, 2.5, None),
+    (torch.float16, 64, 1, 2, 1, 203, 113, 2, False, "eager", 30, (20, -1), 2.5, None),
+    (torch.bfloat16, 128, 1, 2, 2, 113, 203, 0, True, "lazy", 31, (7, 3), 30.0, None),
+]
+EMU_ATTENTION_CASES = [c + (NO_WINDOW, 0.0, None) for c in EMU_BASE_CASES] + EMU_VARIANT_CASES
 
 
-@pytest.mark.parametrize("dtype,D,B,H,Hkv,Lq,Lk,causal,pad,copies,seed", EMU_ATTENTION_CASES,
-                         ids=lambda v: str(v).replace("torch.", ""))
+@pytest.mark.parametrize("dtype,D,B,H,Hkv,Lq,Lk,causal,pad,copies,seed,window,softcap,unread",
+                         EMU_ATTENTION_CASES, ids=lambda v: str(v).replace("torch.", ""))
 def test_attention_kernels_emulated(emulator, tmp_path, dtype, D, B, H, Hkv, Lq, Lk, causal, pad,
-                                    copies, seed):
+                                    copies, seed, window, softcap, unread):
     q, k, v, dout, kpm = attention_inputs(dtype, D, B, H, Hkv, Lq, Lk, pad, seed=seed)
     scale = D ** -0.5
+    kv = k._base
+    if unread is not None:
+        kv = kv.clone()
+        kv[:, :, unread[0]:unread[1]] = float("nan")
     # each tensor: the storage it views (q's (B, Lq, H, D) buffer, the packed kv buffer) + strides
     _bits(q.transpose(1, 2)).tofile(tmp_path / "q.bin")
-    _bits(k._base).tofile(tmp_path / "kv.bin")
+    _bits(kv).tofile(tmp_path / "kv.bin")
     _bits(dout).tofile(tmp_path / "dout.bin")
     if pad:
         kpm.numpy().astype(np.uint8).tofile(tmp_path / "kpm.bin")
     code = {torch.float16: 1, torch.bfloat16: 2}[dtype]
-    lines = [f"{code} {D} {B} {H} {Hkv} {Lq} {Lk} {causal} {scale!r} {int(pad)}"]
+    lines = [f"{code} {D} {B} {H} {Hkv} {Lq} {Lk} {causal} {scale!r} {int(pad)} "
+             f"{window[0]} {window[1]} {softcap!r}"]
     for name, t, offset in (("q", q, 0), ("kv", k, 0), ("kv", v, D), ("dout", dout, 0)):
         lines.append(f"{name}.bin {offset} " + " ".join(map(str, t.stride()[:3])))
     (tmp_path / "params.txt").write_text("\n".join(lines) + "\n")
@@ -422,7 +513,7 @@ def test_attention_kernels_emulated(emulator, tmp_path, dtype, D, B, H, Hkv, Lq,
     dq = _load(tmp_path / "dq.bin", dtype, (B, H, Lq, D))
     dk = _load(tmp_path / "dk.bin", dtype, (B, Hkv, Lk, D))
     dv = _load(tmp_path / "dv.bin", dtype, (B, Hkv, Lk, D))
-    check_attention((out, lse, dq, dk, dv), q, k, v, dout, kpm, causal, scale)
+    check_attention((out, lse, dq, dk, dv), q, k, v, dout, kpm, causal, scale, window, softcap)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32] + LOWP, ids=str)

@@ -8,7 +8,7 @@ A failure is shrunk by hypothesis and printed with the exact example.
 """
 import pytest
 import torch
-from attention_oracle import oracle_attention, oracle_grads, run
+from attention_oracle import ff_attention_oracle_kwargs, oracle_attention, oracle_grads, run, run_with_options
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 from oracle import check, row_sum_tol
@@ -136,6 +136,58 @@ def test_fuzz_attention_cpu(c):
 @given(c=attention_case(max_len=40, head_dims=(16, 32, 40)))
 def test_fuzz_attention_triton(c):
     _check_attention("triton", c)
+
+
+# The variants (window, softcap, ALiBi, sinks, T5 bias, learned masks) drawn together, with
+# their own gradients.
+@st.composite
+def attention_options_case(draw, max_len=48, head_dims=(8, 16, 40, 64)):
+    c = draw(attention_case(max_len, head_dims))
+    side = st.sampled_from([-1, 0, 1, 3, 17, 100])
+    c.update(
+        window=draw(st.one_of(st.none(), st.tuples(side, side))),
+        softcap=draw(st.sampled_from([None, 0.5, 3.0, 30.0])),
+        alibi=draw(st.sampled_from([None, "H", "BH"])),
+        sinks=draw(st.booleans()),
+        bias=draw(st.sampled_from([None, "encoder", "decoder"])),
+        learned_mask=draw(st.booleans()),
+        layout="contiguous",
+    )
+    return c
+
+
+def _check_attention_options(backend, c):
+    q, k, v, go, kw = _attention_inputs(c)
+    g = torch.Generator().manual_seed(c["seed"] + 1)
+    B, H = c["B"], c["H"]
+    kw.update(window=c["window"], softcap=c["softcap"])
+    if c["alibi"]:
+        kw["alibi_slopes"] = torch.rand(H, generator=g) if c["alibi"] == "H" else torch.rand(B, H, generator=g)
+    if c["sinks"]:
+        kw["sinks"] = torch.randn(H, generator=g).to(c["dtype"])
+    if c["bias"]:
+        kw["position_bias"] = (torch.randn(16, H, generator=g).to(c["dtype"]), c["bias"] == "encoder", 20)
+    names = [n for n in ("sinks",) if n in kw]
+    if c["learned_mask"] and isinstance(kw.get("attn_mask"), torch.Tensor) and kw["attn_mask"].is_floating_point():
+        kw["attn_mask"] = kw["attn_mask"].clamp(min=-1e4)  # finite, so that its gradient is
+        names.append("attn_mask")
+    if c["bias"]:
+        names.append("table")
+    with ff.use_backend(backend):
+        ours = run_with_options(ff_attention_oracle_kwargs, q, k, v, go, names, **kw)
+    up = torch.float64 if c["dtype"] == torch.float32 else torch.float32
+    oracle = run_with_options(oracle_attention, q, k, v, go, names, dtype=up, **kw)
+    lowp = run_with_options(oracle_attention, q, k, v, go, names, **kw)
+    for name, o, r, l in zip(("out", "dq", "dk", "dv", *names), ours, oracle, lowp):
+        tol = 1e-4 if name != "out" else 1e-5
+        check(name, o, r, l, grad=name != "out", atol=tol, rtol=tol)
+
+
+@fuzz(150)
+@seed(20261201)
+@given(c=attention_options_case())
+def test_fuzz_attention_options_cpu(c):
+    _check_attention_options("cpu", c)
 
 
 # ---- add + norm --------------------------------------------------------------------------------

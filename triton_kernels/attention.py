@@ -2,38 +2,61 @@
 
 Notation (fastformer/reference/attention.py is the semantics): q (B, H, Lq, D), k and v
 (B, Hkv, Lk, D); query head h reads kv head h // (H / Hkv) (GQA/MQA by index arithmetic, the
-kv tensors are never repeated). s_ij = scale * q_i.k_j + bias_ij, minus infinity where the bool
-attn_mask is False, the key_padding_mask is True, or causality forbids j: causal 1 (top-left)
-allows j <= i, causal 2 (bottom-right) allows j <= i + Lk - Lq. The attn_mask is read tile by
-tile through its four strides (a broadcast view: stride 0 on broadcast dims), never expanded.
+kv tensors are never repeated); d = Lk - Lq for bottom-right causality, else 0. Scores:
+    s_ij = scale * q_i.k_j, or with softcap c: s_ij = c * tanh(scale * q_i.k_j / c)  (tanh
+                                                of exp2: attention_options.tanh)
+    s_ij += -slope_bh * |i + d - j|             (ALiBi, slopes (H,) or (B, H))
+          + table[bucket[j - i + Lq - 1], h]   (T5 bias: gathers from the int32 bucket vector
+                                                and the fp32 (num_buckets, H) table)
+          + attn_mask_ij                        (a float mask)
+and -inf where the bool attn_mask is False, the key_padding_mask is True, or j is outside the
+band i + d - left <= j <= i + d + right (the window; causality is right = 0; no limit on a
+side given as -1). The attn_mask is read tile by tile through its four strides (a broadcast
+view: stride 0 on broadcast dims), never expanded; no (Lq, Lk) bias tensor is ever formed.
+The kernels work in base 2: t = s * log2(e), scale and log2(e) folded into one multiply.
+
+Band (attention_options.key_blocks / query_blocks): a program walks only the blocks that meet
+its rows' band. Blocks cut by an edge of the band, and the one holding the Lk tail, apply the
+element masks; blocks wholly inside run without; blocks wholly outside are never visited: a
+window (left, right) costs about L * (left + right + 2 * BLOCK) per head instead of L^2.
 
 Forward, one program per (query block of BLOCK_M rows, batch*head): online softmax over key
-blocks of BLOCK_N, in fp32 and base 2. Scores t = s * log2(e) (scale and log2(e) folded into
-one multiply; a float mask is multiplied by log2(e)); running max m and sum l per row:
+blocks of BLOCK_N, in fp32. Running max m and sum l per row, starting at m = -inf, l = 0, or
+with a sink at m = sink_h * log2 e, l = 1 (the sink joins the denominator, adds no value):
     m' = max(m, rowmax t),  p = exp2(t - m'),  l = l * exp2(m - m') + rowsum p,
     acc = acc * exp2(m - m') + (p * keep / (1 - p_drop)) v      (p rounded to v's dtype)
 then out = acc / l and lse = (m + log2 l) * ln 2 (natural log, fp32). A row with no allowed key
-keeps m = -inf (exp2 is then taken against 0, so p = 0): l = 0, out = 0, lse = +inf.
-Causal: key blocks right of the diagonal are never visited; blocks left of it run without
-element masks; only the diagonal blocks and the block holding the Lk tail apply them.
+keeps m = -inf (exp2 is then taken against 0, so p = 0): l = 0, out = 0, lse = +inf; with a
+sink: out = 0, lse = sink.
 Traffic per (query block, key block) tile: K and V tiles, 2 * BLOCK_N * D elements (+ BLOCK_M *
-BLOCK_N attn_mask and BLOCK_N padding-mask elements when given); per program Q and out
-(BLOCK_M * D each) and lse. Per head: 2 * Lk * D * ceil(Lq / BLOCK_M) elements of K/V (about
-half when causal) + 2 * Lq * D of Q/out; nothing of size Lq * Lk is stored.
+BLOCK_N attn_mask and BLOCK_N padding-mask elements when given; with a bias table, BLOCK_M *
+BLOCK_N gathers of the bucket vector and of the table, a few KB that stay in cache); per
+program Q and out (BLOCK_M * D each), lse, one slope and one sink. Per head: 2 * Lk * D *
+ceil(Lq / BLOCK_M) elements of K/V (about half when causal, ~ (window + BLOCK_M) / Lk of it
+with a window) + 2 * Lq * D of Q/out; nothing of size Lq * Lk is stored.
 
-Backward, with P = exp2(t - lse * log2 e) recomputed from the saved lse:
+Backward, with P = exp2(t - lse * log2 e) recomputed from the saved lse (sink included):
     delta_i = sum_d dO_id * out_id                       (preprocessing kernel)
     dP' = dO v^T * keep / (1 - p_drop),  dS = P * (dP' - delta)
+    d attn_mask += dS,  d table[bucket(j - i), h] += dS  (the gradient of every additive bias)
+    softcap: dS *= 1 - tanh^2 (the tanh recomputed with the scores)
     dV = (P * keep / (1 - p_drop))^T dO,  dK = scale * dS^T q,  dQ = scale * dS k
+    d sink_h = -sum_(b, i) exp(sink_h - lse_bhi) * delta_bhi   (the launcher: B * H * Lq terms)
 (P' and dS rounded to the input dtype before their dots, as the forward's p.)
 dK/dV: one program per (key block, batch*kv head), looping over the query heads of its group
-and over the query blocks that see its keys (diagonal blocks masked, the rest not); dK and dV
+and over the query blocks that see its keys (edge blocks masked, the rest not); dK and dV
 stay in registers and are written once, already summed over the group. Per tile it reads Q and
 dO (2 * BLOCK_M * D) and BLOCK_M of lse and delta. dQ: one program per (query block,
 batch*head), walking key blocks like the forward; per tile it reads K and V (2 * BLOCK_N * D).
 dQ has its own kernel rather than fp32 atomics from the dK/dV kernel: that recomputes Q K^T
 and dO V^T (7 tile matmuls instead of 5) but is deterministic, needs no fp32 scratch buffer
 to zero and convert, and writes dq in the input dtype directly.
+Option gradients come from the dQ kernel, which meets each (b, h, i, j) of the band once: a
+mask without broadcast dims gets its dS tile stored (BLOCK_M * BLOCK_N writes per tile); a
+broadcast mask an fp32 atomic add into a zeroed buffer of its own shape (stride 0 on the
+broadcast dims: the programs of several (b, h) share an element); the table an fp32 atomic add
+per pair into a zeroed (num_buckets, H) buffer. Those atomics make the two gradients
+nondeterministic in their last bits on GPUs; dq, dk and dv stay deterministic.
 Rows past Lq read q = dO = 0 and lse = +inf, so P = 0 there; dK/dV rows past Lk are never
 stored, so the dK/dV kernel needs no key-tail mask.
 
@@ -47,24 +70,19 @@ import triton
 import triton.language as tl
 
 from . import interpreter_mode
+from .attention_options import (band_mask, head_terms, key_blocks, make_band, option_grads,
+                                query_blocks, score_terms)
 from .common import cast_to
+from .common import dot_operand as _operand  # bf16 tl.dot operands upcast under the interpreter
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2  # MASK_KIND: how attn_mask is read
+GRAD_NONE, GRAD_STORE, GRAD_ATOMIC = 0, 1, 2  # MASK_GRAD: how d attn_mask is written (dQ kernel)
+_SPECIALIZE_NOT = ["seed", "rng_offset", "drop_threshold", "win_left", "win_right"]
 
 
 # ---- helpers ---------------------------------------------------------------------------------
-@triton.jit
-def _operand(x, INTERPRET: tl.constexpr):
-    """A tl.dot operand. Triton 3.9's interpreter computes tl.dot on bfloat16 wrongly
-    (triton-lang/triton#11584): under the interpreter only, bf16 tiles are upcast to fp32
-    (exact; products then sum in fp32 as on tensor cores). GPUs keep bf16 tensor-core dots."""
-    if INTERPRET and x.dtype == tl.bfloat16:
-        return x.to(tl.float32)
-    return x
-
-
 @triton.jit
 def _load_rows(ptrs, row_idx, n_rows, cols, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                MASK_ROWS: tl.constexpr):
@@ -86,13 +104,14 @@ def _store_rows(ptrs, x, row_idx, n_rows, cols, HEAD_DIM: tl.constexpr, INTERPRE
 
 
 @triton.jit
-def _scores(qk, q_idx, k_idx, mask_ptrs, kpm_ptrs, Lq, Lk, causal_shift, qk_scale,
-            CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
-            EDGE: tl.constexpr):
-    """Scores in base 2 with -inf where a key is excluded. q_idx, k_idx: query and key indices
-    shaped (M, 1) and (1, N); mask_ptrs: attn_mask pointers (M, N); kpm_ptrs: key_padding_mask
-    pointers (1, N). EDGE applies causality and the Lk tail (diagonal and last key blocks)."""
-    t = qk * qk_scale
+def _scores(qk, q_idx, k_idx, mask_ptrs, kpm_ptrs, Lq, Lk, band, terms,
+            MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+            WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+            TABLE: tl.constexpr, EDGE: tl.constexpr):
+    """(t, u): scores in base 2 with -inf where a key is excluded, and softcap's tanh (u). q_idx,
+    k_idx: query and key indices shaped (M, 1) and (1, N); mask_ptrs: attn_mask pointers
+    (M, N); kpm_ptrs: key_padding_mask pointers (1, N). EDGE applies the band and the Lk tail."""
+    t, u = score_terms(qk, q_idx, k_idx, Lq, Lk, band[0], terms, SOFTCAP, ALIBI, TABLE)
     if MASK_KIND != 0:
         in_bounds = k_idx < tl.where(q_idx < Lq, Lk, 0)
         if MASK_KIND == 1:  # MASK_BOOL; else MASK_FLOAT
@@ -103,11 +122,8 @@ def _scores(qk, q_idx, k_idx, mask_ptrs, kpm_ptrs, Lq, Lk, causal_shift, qk_scal
         padded = tl.load(kpm_ptrs, mask=k_idx < Lk, other=0)
         t = tl.where(padded != 0, float("-inf"), t)
     if EDGE:
-        if CAUSAL:
-            t = tl.where(k_idx < tl.minimum(q_idx + causal_shift + 1, Lk), t, float("-inf"))
-        else:
-            t = tl.where(k_idx < Lk, t, float("-inf"))
-    return t
+        t = band_mask(t, q_idx, k_idx, Lk, band, WINDOW_LEFT, WINDOW_RIGHT)
+    return t, u
 
 
 @triton.jit
@@ -118,37 +134,26 @@ def _dropout_keep(seed, rng_q, k_idx, drop_threshold):
     return word >= drop_threshold.to(tl.uint32)
 
 
-@triton.jit
-def _causal_key_range(start_m, Lq, Lk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      CAUSAL: tl.constexpr):
-    """For query rows [start_m, start_m + BLOCK_M): (shift, full_end, end). Key blocks below
-    full_end need no element mask; [full_end, end) are the diagonal/tail blocks."""
-    if CAUSAL == 2:
-        shift = Lk - Lq
-    else:
-        shift = 0
-    if CAUSAL:
-        end = tl.minimum(Lk, start_m + BLOCK_M + shift)
-        full_end = tl.maximum(start_m + shift + 1, 0) // BLOCK_N * BLOCK_N
-        full_end = tl.minimum(full_end, Lk // BLOCK_N * BLOCK_N)
-    else:
-        end = Lk
-        full_end = Lk // BLOCK_N * BLOCK_N
-    return shift, full_end, end
-
-
 # Pointers: a program computes int64 scalar bases (batch, head, block start) and adds int32
-# in-tile offsets (at most BLOCK * row stride) computed once, outside its loops.
+# in-tile offsets (at most BLOCK * row stride) computed once, outside its loops. Every
+# kernel takes, after its own pointers: alibi_ptr (fp32 slopes at b * stride_ab + h *
+# stride_ah; stride_ab = 0 for (H,) slopes), table_ptr (fp32 (num_buckets, H), strides
+# stride_tb, stride_th), bucket_ptr (int32 (Lq + Lk - 1,) contiguous), each read only when its
+# flag is set; win_left, win_right (the band: i + d - win_left <= j <= i + d + win_right, the
+# left side checked iff WINDOW_LEFT, the right one iff WINDOW_RIGHT: 1 at right = 0, 2 at
+# win_right; d = Lk - Lq iff BOTTOM_RIGHT, else 0); qk_scale = scale * log2 e (with
+# softcap: c * log2 e) and softcap_in = scale / c.
 
 # ---- forward ---------------------------------------------------------------------------------
 @triton.jit
 def _fwd_key_blocks(acc, l_i, m_i, q, q_idx, k_head, v_head, k_offs, v_offs, mask_rows,
                     mask_offs, kpm_head, start_n, end_n, stride_kn, stride_vn, stride_mn,
-                    stride_kpn, Lq, Lk, causal_shift, qk_scale, seed, rng_q, drop_threshold,
-                    drop_scale, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                    HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    INTERPRET: tl.constexpr):
+                    stride_kpn, Lq, Lk, band, terms, seed, rng_q, drop_threshold, drop_scale,
+                    MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
+                    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
+                    EDGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) with key blocks [start_n, end_n)."""
     offs_n = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
@@ -158,9 +163,10 @@ def _fwd_key_blocks(acc, l_i, m_i, q, q_idx, k_head, v_head, k_offs, v_offs, mas
         k = _load_rows(k_head + n64 * stride_kn + k_offs, k_idx, Lk, cols, HEAD_DIM, BLOCK_D,
                        EDGE)
         qk = tl.dot(q, tl.trans(_operand(k, INTERPRET)), input_precision="ieee")
-        t = _scores(qk, q_idx[:, None], k_idx[None, :], mask_rows + n64 * stride_mn + mask_offs,
-                    (kpm_head + n64 * stride_kpn + offs_n * stride_kpn)[None, :], Lq, Lk,
-                    causal_shift, qk_scale, CAUSAL, MASK_KIND, HAS_KPM, EDGE)
+        t, _ = _scores(qk, q_idx[:, None], k_idx[None, :], mask_rows + n64 * stride_mn + mask_offs,
+                       (kpm_head + n64 * stride_kpn + offs_n * stride_kpn)[None, :], Lq, Lk,
+                       band, terms, MASK_KIND, HAS_KPM, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                       ALIBI, TABLE, EDGE)
         m_new = tl.maximum(m_i, tl.max(t, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no allowed key yet
         alpha = tl.exp2(m_i - m_ref)
@@ -177,7 +183,7 @@ def _fwd_key_blocks(acc, l_i, m_i, q, q_idx, k_head, v_head, k_offs, v_offs, mas
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
+@triton.jit(do_not_specialize=_SPECIALIZE_NOT)
 def attn_fwd_kernel(
     q_ptr,      # (B, H, Lq, D) queries, strides (stride_qb, stride_qh, stride_qm, 1)
     k_ptr,      # (B, Hkv, Lk, D) keys, strides (stride_kb, stride_kh, stride_kn, 1)
@@ -185,17 +191,22 @@ def attn_fwd_kernel(
     mask_ptr,   # (B, H, Lq, Lk) attn_mask view, any strides (0 on broadcast dims); bool
                 # (True = attend) or float (added); read iff MASK_KIND != 0
     kpm_ptr,    # (B, Lk) bool key_padding_mask, True = padding; read iff HAS_KPM
+    alibi_ptr, table_ptr, bucket_ptr,  # the score terms (see above)
+    sinks_ptr,  # (H,) fp32 contiguous sink logits; read iff SINKS
     out_ptr,    # (B, H, Lq, D) output in q's dtype, strides (stride_ob, stride_oh, stride_om, 1)
     lse_ptr,    # (B, H, Lq) fp32 contiguous: natural-log log-sum-exp, +inf for empty rows
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn, stride_ob, stride_oh, stride_om,
+    stride_ab, stride_ah, stride_tb, stride_th,
     H, GROUPS, Lq, Lk,            # GROUPS = H // Hkv
-    qk_scale,                     # scale * log2(e)
+    win_left, win_right, qk_scale, softcap_in,
     seed, rng_offset, drop_threshold, drop_scale,  # dropout: Philox key, counter base,
                                                    # round(p * 2^32), 1 / (1 - p)
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    DROPOUT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
+    SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # 1-D grid, query blocks fastest: programs running together share K/V in L2, and B*H is
@@ -224,21 +235,32 @@ def attn_fwd_kernel(
     mask_offs = offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
     kpm_head = kpm_ptr + b * stride_kpb
     rng_q = rng_offset + (bh.to(tl.int64) * Lq + q_idx) * Lk
+    band = make_band(Lq, Lk, win_left, win_right, BOTTOM_RIGHT, WINDOW_RIGHT)
+    terms = head_terms(qk_scale, softcap_in, alibi_ptr + b * stride_ab + h * stride_ah,
+                       bucket_ptr, table_ptr + h * stride_th, stride_tb, ALIBI)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    shift, full_end, end = _causal_key_range(start_m, Lq, Lk, BLOCK_M, BLOCK_N, CAUSAL)
-    acc, l_i, m_i = _fwd_key_blocks(
-        acc, l_i, m_i, q, q_idx, k_head, v_head, k_offs, v_offs, mask_rows, mask_offs, kpm_head,
-        0, full_end, stride_kn, stride_vn, stride_mn, stride_kpn, Lq, Lk, shift, qk_scale, seed,
-        rng_q, drop_threshold, drop_scale, CAUSAL, MASK_KIND, HAS_KPM, DROPOUT, False, BLOCK_N,
-        BLOCK_D, HEAD_DIM, INTERPRET)
-    acc, l_i, m_i = _fwd_key_blocks(
-        acc, l_i, m_i, q, q_idx, k_head, v_head, k_offs, v_offs, mask_rows, mask_offs, kpm_head,
-        full_end, end, stride_kn, stride_vn, stride_mn, stride_kpn, Lq, Lk, shift, qk_scale, seed,
-        rng_q, drop_threshold, drop_scale, CAUSAL, MASK_KIND, HAS_KPM, DROPOUT, True, BLOCK_N,
-        BLOCK_D, HEAD_DIM, INTERPRET)
+    if SINKS:  # the sink as a first key of score sink * log2 e: m = that, l = 1
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sinks_ptr + h) * LOG2E
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)  # a sink of -inf is no sink
+    lo, full_lo, full_hi, hi = key_blocks(start_m, Lq, Lk, band, BLOCK_M, BLOCK_N, WINDOW_LEFT,
+                                          WINDOW_RIGHT)
+    for part in tl.static_range(3):  # left edge blocks (if any), inner blocks, right edge
+        if part == 0:
+            start_n, end_n = lo, full_lo
+        elif part == 1:
+            start_n, end_n = full_lo, full_hi
+        else:
+            start_n, end_n = full_hi, hi
+        if part != 0 or WINDOW_LEFT:
+            acc, l_i, m_i = _fwd_key_blocks(
+                acc, l_i, m_i, q, q_idx, k_head, v_head, k_offs, v_offs, mask_rows, mask_offs,
+                kpm_head, start_n, end_n, stride_kn, stride_vn, stride_mn, stride_kpn, Lq, Lk,
+                band, terms, seed, rng_q, drop_threshold, drop_scale, MASK_KIND, HAS_KPM,
+                DROPOUT, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, TABLE, part != 1, BLOCK_N,
+                BLOCK_D, HEAD_DIM, INTERPRET)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -280,11 +302,13 @@ def attn_bwd_delta_kernel(
 @triton.jit
 def _dkdv_query_blocks(dk, dv, k, v, k_idx, q_head, do_head, q_offs, do_offs, lse_head,
                        delta_head, mask_head, mask_offs, kpm_ptrs, start_m, end_m, stride_qm,
-                       stride_dom, stride_mm, Lq, Lk, causal_shift, qk_scale, seed, rng_head,
+                       stride_dom, stride_mm, Lq, Lk, band, terms, seed, rng_head,
                        drop_threshold, drop_scale,
-                       CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
-                       DROPOUT: tl.constexpr, EDGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr):
+                       MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
+                       WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+                       SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
+                       EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                       HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [start_m, end_m) of one head.
     Score tiles are (queries, keys) as in the forward, so K and V are the B operands of
     Q K^T and dO V^T (shared memory on Hopper) instead of register-held A operands: the
@@ -301,8 +325,9 @@ def _dkdv_query_blocks(dk, dv, k, v, k_idx, q_head, do_head, q_offs, do_offs, ls
         lse2 = tl.load(lse_head + q_idx, mask=q_idx < Lq, other=float("inf")) * LOG2E
         delta = tl.load(delta_head + q_idx, mask=q_idx < Lq, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        t = _scores(qk, q_idx[:, None], k_idx[None, :], mask_head + m64 * stride_mm + mask_offs,
-                    kpm_ptrs, Lq, Lk, causal_shift, qk_scale, CAUSAL, MASK_KIND, HAS_KPM, EDGE)
+        t, u = _scores(qk, q_idx[:, None], k_idx[None, :], mask_head + m64 * stride_mm + mask_offs,
+                       kpm_ptrs, Lq, Lk, band, terms, MASK_KIND, HAS_KPM, WINDOW_LEFT,
+                       WINDOW_RIGHT, SOFTCAP, ALIBI, TABLE, EDGE)
         p = tl.exp2(t - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         if DROPOUT:
@@ -315,15 +340,18 @@ def _dkdv_query_blocks(dk, dv, k, v, k_idx, q_head, do_head, q_offs, do_offs, ls
         p_op = _operand(cast_to(p_drop, do_head.dtype.element_ty, INTERPRET), INTERPRET)
         dv = tl.dot(tl.trans(p_op), do, dv, input_precision="ieee")
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - u * u)
         ds_op = _operand(cast_to(ds, q_head.dtype.element_ty, INTERPRET), INTERPRET)
         dk = tl.dot(tl.trans(ds_op), q, dk, input_precision="ieee")
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
+@triton.jit(do_not_specialize=_SPECIALIZE_NOT)
 def attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr,   # as in attn_fwd_kernel
     mask_ptr, kpm_ptr,     # as in attn_fwd_kernel
+    alibi_ptr, table_ptr, bucket_ptr,  # as in attn_fwd_kernel
     do_ptr,      # (B, H, Lq, D) grad of the output, strides (stride_dob, stride_doh, stride_dom, 1)
     lse_ptr,     # (B, H, Lq) fp32 contiguous, from the forward
     delta_ptr,   # (B, H, Lq) fp32 contiguous, from attn_bwd_delta_kernel
@@ -333,9 +361,12 @@ def attn_bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn, stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    H, Hkv, GROUPS, Lq, Lk, qk_scale, scale, seed, rng_offset, drop_threshold, drop_scale,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
+    stride_ab, stride_ah, stride_tb, stride_th,
+    H, Hkv, GROUPS, Lq, Lk, win_left, win_right, qk_scale, softcap_in, scale,
+    seed, rng_offset, drop_threshold, drop_scale,
+    HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    DROPOUT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     num_n = tl.cdiv(Lk, BLOCK_N)
@@ -360,19 +391,9 @@ def attn_bwd_dkdv_kernel(
     kpm_ptrs = (kpm_ptr + b * stride_kpb + n64 * stride_kpn + offs_n * stride_kpn)[None, :]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-
-    # Query blocks that see some key of this block: rows i >= start_n - shift. Those whose rows
-    # all see every key of the block (i >= start_n + BLOCK_N - 1 - shift) need no causal mask.
-    if CAUSAL == 2:
-        shift = Lk - Lq
-    else:
-        shift = 0
-    if CAUSAL:
-        start_m = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M
-        full_start = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M
-    else:
-        start_m = 0
-        full_start = 0
+    band = make_band(Lq, Lk, win_left, win_right, BOTTOM_RIGHT, WINDOW_RIGHT)
+    lo, full_lo, full_hi, hi = query_blocks(start_n, Lq, Lk, band, BLOCK_M, BLOCK_N,
+                                            WINDOW_LEFT, WINDOW_RIGHT)
     for g in range(GROUPS):
         h = hkv * GROUPS + g
         bh = b * H + h
@@ -382,18 +403,22 @@ def attn_bwd_dkdv_kernel(
         lse_head = lse_ptr + bh * Lq
         delta_head = delta_ptr + bh * Lq
         rng_head = rng_offset + bh * Lq * Lk
-        dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, k_idx, q_head, do_head, q_offs, do_offs, lse_head, delta_head,
-            mask_head, mask_offs, kpm_ptrs, start_m, tl.minimum(full_start, Lq), stride_qm,
-            stride_dom, stride_mm, Lq, Lk, shift, qk_scale, seed, rng_head, drop_threshold,
-            drop_scale, CAUSAL, MASK_KIND, HAS_KPM, DROPOUT, True, BLOCK_M, BLOCK_D, HEAD_DIM,
-            INTERPRET)
-        dk, dv = _dkdv_query_blocks(
-            dk, dv, k, v, k_idx, q_head, do_head, q_offs, do_offs, lse_head, delta_head,
-            mask_head, mask_offs, kpm_ptrs, full_start, Lq, stride_qm,
-            stride_dom, stride_mm, Lq, Lk, shift, qk_scale, seed, rng_head, drop_threshold,
-            drop_scale, CAUSAL, MASK_KIND, HAS_KPM, DROPOUT, False, BLOCK_M, BLOCK_D, HEAD_DIM,
-            INTERPRET)
+        terms = head_terms(qk_scale, softcap_in, alibi_ptr + b * stride_ab + h * stride_ah,
+                           bucket_ptr, table_ptr + h * stride_th, stride_tb, ALIBI)
+        for part in tl.static_range(3):  # edge blocks above (if any), inner, below (if any)
+            if part == 0:
+                start_m, end_m = lo, tl.minimum(full_lo, hi)
+            elif part == 1:
+                start_m, end_m = full_lo, full_hi
+            else:
+                start_m, end_m = full_hi, hi
+            if (part == 0 and WINDOW_RIGHT) or part == 1 or (part == 2 and WINDOW_LEFT):
+                dk, dv = _dkdv_query_blocks(
+                    dk, dv, k, v, k_idx, q_head, do_head, q_offs, do_offs, lse_head,
+                    delta_head, mask_head, mask_offs, kpm_ptrs, start_m, end_m, stride_qm,
+                    stride_dom, stride_mm, Lq, Lk, band, terms, seed, rng_head, drop_threshold,
+                    drop_scale, MASK_KIND, HAS_KPM, DROPOUT, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                    ALIBI, TABLE, part != 1, BLOCK_M, BLOCK_D, HEAD_DIM, INTERPRET)
     _store_rows(dk_ptr + b * stride_dkb + hkv * stride_dkh + n64 * stride_dkn
                 + offs_n[:, None] * stride_dkn + cols[None, :],
                 dk * scale, k_idx, Lk, cols, HEAD_DIM, INTERPRET)
@@ -404,13 +429,17 @@ def attn_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_key_blocks(dq, q, do, lse2, delta, q_idx, k_head, v_head, k_offs, v_offs, mask_rows,
-                   mask_offs, kpm_head, start_n, end_n, stride_kn, stride_vn, stride_mn,
-                   stride_kpn, Lq, Lk, causal_shift, qk_scale, seed, rng_q, drop_threshold,
-                   drop_scale, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-                   HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr, EDGE: tl.constexpr,
+                   mask_offs, kpm_head, dmask_rows, dmask_offs, dtable_head, start_n, end_n,
+                   stride_kn, stride_vn, stride_mn, stride_kpn, stride_dmn, H, Lq, Lk, band,
+                   terms, seed, rng_q, drop_threshold, drop_scale,
+                   MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
+                   WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+                   SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
+                   MASK_GRAD: tl.constexpr, TABLE_GRAD: tl.constexpr, EDGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
                    INTERPRET: tl.constexpr):
-    """Accumulate dQ (unscaled) of one query block over key blocks [start_n, end_n)."""
+    """Accumulate dQ (unscaled) of one query block over key blocks [start_n, end_n), and add
+    their dS to the mask and table gradients."""
     offs_n = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
     for block_n in range(start_n, end_n, BLOCK_N):
@@ -421,32 +450,47 @@ def _dq_key_blocks(dq, q, do, lse2, delta, q_idx, k_head, v_head, k_offs, v_offs
         v = _operand(_load_rows(v_head + n64 * stride_vn + v_offs, k_idx, Lk, cols, HEAD_DIM,
                                 BLOCK_D, EDGE), INTERPRET)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        t = _scores(qk, q_idx[:, None], k_idx[None, :], mask_rows + n64 * stride_mn + mask_offs,
-                    (kpm_head + n64 * stride_kpn + offs_n * stride_kpn)[None, :], Lq, Lk,
-                    causal_shift, qk_scale, CAUSAL, MASK_KIND, HAS_KPM, EDGE)
+        t, u = _scores(qk, q_idx[:, None], k_idx[None, :], mask_rows + n64 * stride_mn + mask_offs,
+                       (kpm_head + n64 * stride_kpn + offs_n * stride_kpn)[None, :], Lq, Lk,
+                       band, terms, MASK_KIND, HAS_KPM, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
+                       ALIBI, TABLE, EDGE)
         p = tl.exp2(t - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision="ieee")
         if DROPOUT:
             keep = _dropout_keep(seed, rng_q[:, None], k_idx[None, :], drop_threshold)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
+        if MASK_GRAD != 0 or TABLE_GRAD:
+            option_grads(ds, q_idx[:, None], k_idx[None, :], Lq, Lk,
+                         dmask_rows + n64 * stride_dmn + dmask_offs, terms[3], dtable_head, H,
+                         MASK_GRAD, TABLE_GRAD, INTERPRET)
+        if SOFTCAP:
+            ds = ds * (1.0 - u * u)
         ds_op = _operand(cast_to(ds, k_head.dtype.element_ty, INTERPRET), INTERPRET)
         dq = tl.dot(ds_op, k, dq, input_precision="ieee")
     return dq
 
 
-@triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
+@triton.jit(do_not_specialize=_SPECIALIZE_NOT)
 def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, kpm_ptr,  # as in attn_fwd_kernel
+    alibi_ptr, table_ptr, bucket_ptr,        # as in attn_fwd_kernel
     do_ptr, lse_ptr, delta_ptr,              # as in attn_bwd_dkdv_kernel
     dq_ptr,      # (B, H, Lq, D) grad of q in q's dtype; strides (stride_dq*, 1)
+    dmask_ptr,   # d attn_mask as a (B, H, Lq, Lk) view, strides stride_dm* (0 on broadcast
+                 # dims): the mask's dtype (MASK_GRAD 1) or fp32 zeros (2); iff MASK_GRAD
+    dtable_ptr,  # (num_buckets, H) fp32 zeros, contiguous: d bias_table; iff TABLE_GRAD
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn, stride_dob, stride_doh, stride_dom,
-    stride_dqb, stride_dqh, stride_dqm,
-    H, GROUPS, Lq, Lk, qk_scale, scale, seed, rng_offset, drop_threshold, drop_scale,
-    HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr,
-    HAS_KPM: tl.constexpr, DROPOUT: tl.constexpr,
+    stride_dqb, stride_dqh, stride_dqm, stride_dmb, stride_dmh, stride_dmm, stride_dmn,
+    stride_ab, stride_ah, stride_tb, stride_th,
+    H, GROUPS, Lq, Lk, win_left, win_right, qk_scale, softcap_in, scale,
+    seed, rng_offset, drop_threshold, drop_scale,
+    HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
+    DROPOUT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, WINDOW_LEFT: tl.constexpr,
+    WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
+    MASK_GRAD: tl.constexpr, TABLE_GRAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     num_m = tl.cdiv(Lq, BLOCK_M)
@@ -475,21 +519,32 @@ def attn_bwd_dq_kernel(
     v_offs = offs_n[:, None] * stride_vn + cols[None, :]
     mask_rows = mask_ptr + b * stride_mb + h * stride_mh + m64 * stride_mm
     mask_offs = offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
+    dmask_rows = dmask_ptr + b * stride_dmb + h * stride_dmh + m64 * stride_dmm
+    dmask_offs = offs_m[:, None] * stride_dmm + offs_n[None, :] * stride_dmn
     kpm_head = kpm_ptr + b * stride_kpb
     rng_q = rng_offset + row * Lk
+    band = make_band(Lq, Lk, win_left, win_right, BOTTOM_RIGHT, WINDOW_RIGHT)
+    terms = head_terms(qk_scale, softcap_in, alibi_ptr + b * stride_ab + h * stride_ah,
+                       bucket_ptr, table_ptr + h * stride_th, stride_tb, ALIBI)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    shift, full_end, end = _causal_key_range(start_m, Lq, Lk, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _dq_key_blocks(dq, q, do, lse2, delta, q_idx, k_head, v_head, k_offs, v_offs, mask_rows,
-                        mask_offs, kpm_head, 0, full_end, stride_kn, stride_vn, stride_mn,
-                        stride_kpn, Lq, Lk, shift, qk_scale, seed, rng_q, drop_threshold,
-                        drop_scale, CAUSAL, MASK_KIND, HAS_KPM, DROPOUT, False, BLOCK_N, BLOCK_D,
-                        HEAD_DIM, INTERPRET)
-    dq = _dq_key_blocks(dq, q, do, lse2, delta, q_idx, k_head, v_head, k_offs, v_offs, mask_rows,
-                        mask_offs, kpm_head, full_end, end, stride_kn, stride_vn, stride_mn,
-                        stride_kpn, Lq, Lk, shift, qk_scale, seed, rng_q, drop_threshold,
-                        drop_scale, CAUSAL, MASK_KIND, HAS_KPM, DROPOUT, True, BLOCK_N, BLOCK_D,
-                        HEAD_DIM, INTERPRET)
+    lo, full_lo, full_hi, hi = key_blocks(start_m, Lq, Lk, band, BLOCK_M, BLOCK_N, WINDOW_LEFT,
+                                          WINDOW_RIGHT)
+    for part in tl.static_range(3):  # left edge blocks (if any), inner blocks, right edge
+        if part == 0:
+            start_n, end_n = lo, full_lo
+        elif part == 1:
+            start_n, end_n = full_lo, full_hi
+        else:
+            start_n, end_n = full_hi, hi
+        if part != 0 or WINDOW_LEFT:
+            dq = _dq_key_blocks(
+                dq, q, do, lse2, delta, q_idx, k_head, v_head, k_offs, v_offs, mask_rows,
+                mask_offs, kpm_head, dmask_rows, dmask_offs, dtable_ptr + h, start_n, end_n,
+                stride_kn, stride_vn, stride_mn, stride_kpn, stride_dmn, H, Lq, Lk, band, terms,
+                seed, rng_q, drop_threshold, drop_scale, MASK_KIND, HAS_KPM, DROPOUT,
+                WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, TABLE, MASK_GRAD, TABLE_GRAD,
+                part != 1, BLOCK_N, BLOCK_D, HEAD_DIM, INTERPRET)
     _store_rows(dq_ptr + b * stride_dqb + h * stride_dqh + m64 * stride_dqm
                 + offs_m[:, None] * stride_dqm + cols[None, :],
                 dq * scale, q_idx, Lq, cols, HEAD_DIM, INTERPRET)
@@ -501,7 +556,8 @@ def _configs(shapes):
             for m, n, w, s in shapes]
 
 
-# GPU: (BLOCK_M, BLOCK_N, warps, stages), autotuned per (Lq, Lk, head dim, causal) and dtype.
+# GPU: (BLOCK_M, BLOCK_N, warps, stages), autotuned per TUNE_KEY (lengths, head dim, band) and
+# dtype.
 # Chosen from what ptxas reports at D = 128, bf16, sm_90 (compiled on a machine without a GPU;
 # run times not measured): these spill at most 48 bytes of registers there, while 4-warp
 # programs with 128-row tiles, and dK/dV with 64 x 128 tiles, spill 500-1900 bytes. The larger
@@ -514,7 +570,7 @@ DKDV_CONFIGS = _configs([(32, 64, 8, 2), (32, 64, 8, 3), (16, 64, 8, 3), (32, 12
                          (64, 64, 4, 3)])
 DQ_CONFIGS = _configs([(64, 32, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3),
                        (128, 64, 8, 2)])
-TUNE_KEY = ["Lq", "Lk", "HEAD_DIM", "CAUSAL"]
+TUNE_KEY = ["Lq", "Lk", "HEAD_DIM", "BOTTOM_RIGHT", "WINDOW_LEFT", "WINDOW_RIGHT"]
 
 # Interpreter: one fixed config of large blocks. It pays ~1 ms per program and per helper call
 # (its tl.dot is a plain numpy loop, as costly per multiply-add at any tile size): 128-wide

@@ -63,4 +63,19 @@ FF_HOST_DEVICE T softmax_lse_log2(T row_max_log2, T row_sum) {
                         : static_cast<T>(INFINITY);
 }
 
+// Joins a sink logit (log2 units: one more term of the denominator, with no value) into a
+// finished row's running max and sum; returns the factor its accumulator is rescaled by (1
+// when the sink does not move the max; 0 for a row that saw no key).
+template <typename T>
+FF_HOST_DEVICE T softmax_join_sink_log2(T& row_max, T& row_sum, T sink) {
+  if (sink > row_max) {
+    const T alpha = online_softmax_alpha_log2(row_max, sink);
+    row_sum = row_sum * alpha + T(1);
+    row_max = sink;
+    return alpha;
+  }
+  row_sum += static_cast<T>(exp2(sink - row_max));
+  return T(1);
+}
+
 }  // namespace fastformer

@@ -58,14 +58,30 @@ struct BwdCall {
   const A drop_scale;         // 1 / (1 - p)
   const A* const lse;
   const A score_mul;          // scores in log2 units, see score_row
+  // The float mask's gradient sums over the dims the mask broadcasts: tasks that would add
+  // into the same entries run in one task instead (fold the batch, the kv heads; one key chunk
+  // when it broadcasts over keys), so no two threads ever add to one entry.
+  const bool fold_b, fold_h;
+  const int64_t n_tasks;
+  A* dtable_parts = nullptr;  // (n_tasks, n_buckets, H): each task's part of d bias_table
+
+  static int64_t chunks_for(const AttnArgs& args, const Shape<A>& sh) {
+    if (args.dmask && args.dmask_s[3] == 0) return 1;
+    return std::clamp<int64_t>((kMinTasks + sh.B * sh.Hkv - 1) / (sh.B * sh.Hkv), 1, sh.n_kb);
+  }
 
   explicit BwdCall(const AttnArgs& args)
-      : a(args), sh(args),
-        n_chunks(std::clamp<int64_t>((kMinTasks + sh.B * sh.Hkv - 1) / (sh.B * sh.Hkv), 1, sh.n_kb)),
+      : a(args), sh(args), n_chunks(chunks_for(args, sh)),
         kb_per_chunk((sh.n_kb + n_chunks - 1) / n_chunks), dq_head((sh.Lq + kRowSlack) * sh.D_pad),
         task_owns_dq(n_chunks == 1), threshold(args.dropout_p > 0 ? dropout_threshold(args.dropout_p) : 0),
         drop_scale(args.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - args.dropout_p) : A(1)),
-        lse(static_cast<const A*>(args.lse)), score_mul(static_cast<A>(args.scale * kLog2e)) {
+        lse(static_cast<const A*>(args.lse)), score_mul(static_cast<A>(args.scale * kLog2e)),
+        fold_b(args.dmask && args.dmask_s[0] == 0), fold_h(args.dmask && args.dmask_s[1] == 0),
+        n_tasks((fold_b ? 1 : sh.B) * (fold_h ? 1 : sh.Hkv) * n_chunks) {
+    if (args.dtable) {
+      dtable_parts = thread_scratch<A, Scratch::kBwdTableParts>(n_tasks * sh.H * args.n_buckets);
+      std::fill(dtable_parts, dtable_parts + n_tasks * sh.H * args.n_buckets, A(0));
+    }
     if (!task_owns_dq) {
       dq_part = thread_scratch<A, Scratch::kBwdDqPartials>(n_chunks * sh.B * sh.H * dq_head);
       std::fill(dq_part, dq_part + n_chunks * sh.B * sh.H * dq_head, A(0));
@@ -85,9 +101,9 @@ struct BwdCall {
   }
 };
 
-// The keys of one task: key blocks [kb0, kb1) of kv head (b, hkv).
+// The keys of one task: key blocks [kb0, kb1) of kv head (b, hkv); task: its index.
 struct TaskKeys {
-  int64_t b, hkv, chunk, kb0, kb1, key0, n_keys;
+  int64_t b, hkv, chunk, kb0, kb1, key0, n_keys, task;
 };
 
 // dK = scale * dS^T Q, dV as accumulated: rows [j0, j0 + n) of the task's keys from fp32
@@ -310,7 +326,9 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t) {
   A* const p_tile = thread_scratch<A, Scratch::kBwdP>((kBlockQ + kRowSlack) * kScoreLd);
   A* const ds_tile = thread_scratch<A, Scratch::kBwdDs>((kBlockQ + kRowSlack) * kScoreLd);
   A* const pd_tile = c.threshold ? thread_scratch<A, Scratch::kBwdPDropped>((kBlockQ + kRowSlack) * kScoreLd) : p_tile;
-  A* const bias = thread_scratch<A, Scratch::kBwdBias>(sh.Bk_pad);
+  A* const bias = thread_scratch<A, Scratch::kBwdBias>(sh.Bk_pad + kV);
+  A* const d_cap = sh.cap_out != A(0) ? thread_scratch<A, Scratch::kBwdSoftcapGrad>(sh.Bk_pad + kV) : nullptr;
+  A* const d_table = a.dtable ? c.dtable_parts + t.task * sh.H * a.n_buckets : nullptr;  // this task's part
   A* const delta_h = thread_scratch<A, Scratch::kBwdDelta>(sh.Lq);  // delta of the current head
   A* const dq_own = c.task_owns_dq ? thread_scratch<A, Scratch::kBwdDqOwn>(c.dq_head) : nullptr;
 
@@ -337,20 +355,27 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t) {
     A* const dq = c.task_owns_dq ? dq_own : c.dq_part + (t.chunk * sh.B * sh.H + b * sh.H + h) * c.dq_head;
     if (c.task_owns_dq) std::fill(dq, dq + sh.Lq * sh.D_pad, A(0));  // rows < Lq are used
     const A* lse_h = c.lse + (b * sh.H + h) * sh.Lq;
+    if (a.dsinks && t.chunk == 0) {
+      // d sink = -sum_i p_sink,i delta_i, p_sink = exp(sink - lse): once per (b, h).
+      const A sink = static_cast<const A*>(a.sinks)[h];
+      A sum = 0;
+      for (int64_t i = 0; i < sh.Lq; ++i) sum += std::exp(sink - lse_h[i]) * delta_h[i];
+      static_cast<A*>(a.dsinks)[b * sh.H + h] = -sum;
+    }
 
     for (int64_t kb = t.kb0; kb < t.kb1; ++kb) {
       const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
-      // Query blocks that can see key block kb (causal: at or below the diagonal).
-      const int64_t first_q = a.causal ? std::max<int64_t>(0, k0 - sh.causal_shift) : 0;
-      for (int64_t q0 = first_q / kBlockQ * kBlockQ; q0 < sh.Lq; q0 += kBlockQ) {
+      // Query blocks that can see key block kb (the band: causality, the window).
+      const int64_t q_end = sh.q_end(kb);
+      for (int64_t q0 = sh.q_begin(kb) / kBlockQ * kBlockQ; q0 < q_end; q0 += kBlockQ) {
         const int64_t n_q = std::min(kBlockQ, sh.Lq - q0);
-        const bool diagonal = sh.diagonal(a, q0, kb);
+        const bool diagonal = sh.diagonal(q0, kb), cut = sh.cut(q0, q0 + n_q, kb);
         // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in all five GEMMs.
-        gemms.scores(q0, n_q, kb - t.kb0, cols, p_tile, ds_tile, sh.band(a, q0, kb, Band::kColsUpTo));
+        gemms.scores(q0, n_q, kb - t.kb0, cols, p_tile, ds_tile, sh.band(q0, q0 + n_q, kb, Band::kColsUpTo));
         // P exactly as the forward computed it (Shape::unmasked): straight from S with one FMA
-        // (exp2_row's mul), or after score_row's scale and bias. Unmasked tiles without
+        // (exp2_row's mul), or after score_row's transform and bias. Unmasked tiles without
         // dropout (most of them): P and dS in one pass over the row.
-        const bool unmasked = sh.unmasked(a, q0, kb, c.score_mul);
+        const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul);
         const bool plain_tile = unmasked && !c.threshold;
         for (int64_t i = 0; i < n_q; ++i) {
           A* p = p_tile + i * kScoreLd;
@@ -370,14 +395,16 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t) {
           if (unmasked) {
             exp2_row(p, cols, lse_log2, c.score_mul);  // P = exp(scale S - lse)
           } else {
-            score_row(a, sh, p, c.score_mul, b, h, q0 + i, k0, n_keys, cols, diagonal, bias);
+            score_row(a, sh, p, c.score_mul, b, h, q0 + i, k0, n_keys, cols, cut, bias, d_cap);
             exp2_row(p, cols, lse_log2);  // P = exp(s - lse)
           }
           if (diagonal) {
             // Entries past the row's last allowed key may be unwritten: dS (and P) there are 0.
-            const int64_t live = round_up_to(sh.causal_end(q0 + i, k0, cols), kV);
+            const int64_t live = round_up_to(sh.hi_end(q0 + i, k0, cols), kV);
             std::fill(ds + live, ds + cols, A(0));
           }
+          // So may entries before the row's first one (a window's lower edge).
+          const int64_t first_live = cut ? sh.lo_begin(q0 + i, k0, n_keys) : 0;
           if (c.threshold) {
             // dS = P (dP keep/(1-p) - delta); dV uses P' = P keep/(1-p)
             A* pd = pd_tile + i * kScoreLd;
@@ -396,9 +423,24 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t) {
             for (int64_t j = 0; j < cols; j += kV)
               (V::loadu(p + j) * (V::loadu(ds + j) - delta_v)).store(ds + j);
           }
+          std::fill(ds, ds + first_live, A(0));
+          // dS is the gradient of the biased score: of the float mask and of the table entry
+          // (summed where they broadcast). The softcap's derivative comes after: the biases
+          // are added to the capped score.
+          const int64_t qi = q0 + i;
+          if (a.dmask) {
+            A* dm = static_cast<A*>(a.dmask) + b * a.dmask_s[0] + h * a.dmask_s[1] + qi * a.dmask_s[2] + k0 * a.dmask_s[3];
+            for (int64_t j = 0; j < n_keys; ++j) dm[j * a.dmask_s[3]] += ds[j];
+          }
+          if (d_table) {
+            const int32_t* bucket = a.bias_buckets + (k0 - qi + sh.Lq - 1);
+            for (int64_t j = 0; j < n_keys; ++j) d_table[static_cast<int64_t>(bucket[j]) * sh.H + h] += ds[j];
+          }
+          if (d_cap)
+            for (int64_t j = 0; j < cols; j += kV) (V::loadu(ds + j) * V::loadu(d_cap + j)).store(ds + j);
         }
         gemms.grads(q0, n_q, kb - t.kb0, k0 - t.key0, n_keys, cols, pd_tile, ds_tile, dq,
-                    sh.band(a, q0, kb, Band::kInnerFrom), sh.band(a, q0, kb, Band::kInnerUpTo));
+                    sh.band(q0, q0 + n_q, kb, Band::kInnerFrom), sh.band(q0, q0 + n_q, kb, Band::kInnerUpTo));
       }
     }
     if (c.task_owns_dq)
@@ -415,19 +457,40 @@ void attention_bwd_typed(const AttnArgs& a) {
   // bf16 on AMX: all five GEMMs on the tiles (AmxGrads); else the fp32 micro-kernel.
   const bool amx = std::is_same_v<T, c10::BFloat16> && use_amx_bf16();
   const double flops = 2.5 * 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
-  parallel_tasks(sh.B * sh.Hkv * c.n_chunks, flops, [&](int64_t task) {
+  const int64_t task_hkv = c.fold_h ? 1 : sh.Hkv;
+  parallel_tasks(c.n_tasks, flops, [&](int64_t task) {
     const int64_t chunk = task % c.n_chunks, bhkv = task / c.n_chunks;
-    TaskKeys t{bhkv / sh.Hkv, bhkv % sh.Hkv, chunk, chunk * c.kb_per_chunk, 0, 0, 0};
+    TaskKeys t{0, 0, chunk, chunk * c.kb_per_chunk, 0, 0, 0, task};
     t.kb1 = std::min(sh.n_kb, t.kb0 + c.kb_per_chunk);
     if (t.kb0 >= t.kb1) return;
     t.key0 = t.kb0 * kBlockK;
     t.n_keys = std::min(sh.Lk, t.kb1 * kBlockK) - t.key0;
     const AmxTiles tiles(amx);
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (amx) return backward_task<T, AmxGrads<T>>(c, t);
+    const int64_t b0 = c.fold_b ? 0 : bhkv / task_hkv, b1 = c.fold_b ? sh.B : b0 + 1;
+    const int64_t h0 = c.fold_h ? 0 : bhkv % task_hkv, h1 = c.fold_h ? sh.Hkv : h0 + 1;
+    for (t.b = b0; t.b < b1; ++t.b) {
+      for (t.hkv = h0; t.hkv < h1; ++t.hkv) {
+        if constexpr (std::is_same_v<T, c10::BFloat16>) {
+          if (amx) {
+            backward_task<T, AmxGrads<T>>(c, t);
+            continue;
+          }
+        }
+        backward_task<T, Fp32Grads<T>>(c, t);
+      }
     }
-    backward_task<T, Fp32Grads<T>>(c, t);
   });
+
+  // d bias_table = the tasks' parts, summed in task order.
+  if (a.dtable) {
+    A* const dtable = static_cast<A*>(a.dtable);
+    const int64_t n = sh.H * a.n_buckets;
+    for (int64_t x = 0; x < n; ++x) {
+      A sum = 0;
+      for (int64_t task = 0; task < c.n_tasks; ++task) sum += c.dtable_parts[task * n + x];
+      dtable[x] = sum;
+    }
+  }
 
   // dQ = scale * the sum over chunks (in chunk order) of the partials.
   if (!c.task_owns_dq) {

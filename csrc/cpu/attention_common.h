@@ -47,12 +47,25 @@ constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 
 // Sizes derived once per call. Padded widths are multiples of the micro-tile's NR, padded
 // heights leave kRowSlack rows of zeros for the micro-kernel's full-tile reads.
+//
+// The band: key j is visible to query i iff i + lo_shift <= j (when has_lo) and
+// j <= i + hi_shift (when has_hi). Causality is the upper edge at the diagonal d (d = Lk - Lq
+// for bottom-right alignment, else 0), the window's right and left sizes move the edges
+// (hi_shift = d + right, lo_shift = d - left). Key blocks wholly outside the band are never
+// visited; tiles an edge cuts are "cut": the upper edge lets the GEMMs skip the micro-tiles
+// wholly above it (Band in gemm.h), the lower edge is applied by score_row.
 template <typename A>
 struct Shape {
   int64_t B, H, Hkv, G, Lq, Lk, D, Dv;
   int64_t D_pad, Dv_pad, Bk_pad, n_kb, n_qb;
   int64_t D_amx, Dv_amx;  // D, Dv padded for the AMX score GEMMs (amx_bf16.h)
-  int64_t causal_shift;  // key j is allowed for query i iff j <= i + causal_shift (when causal)
+  int64_t diag;           // d
+  bool has_hi, has_lo;
+  int64_t hi_shift, lo_shift;
+  // Masks, key padding or the bias table: a bias row per score row (bias_row). ALiBi is
+  // computed inline. Either way every row goes through score_row.
+  bool bias_row, alibi;
+  A cap_in = 0, cap_out = 0;  // softcap: s_log2 = cap_out * tanh(cap_in * S), S = Q K^T
 
   explicit Shape(const AttnArgs& a) {
     constexpr int64_t NR = MicroShape<A>::kNR;
@@ -64,43 +77,75 @@ struct Shape {
     Bk_pad = round_up_to(std::clamp<int64_t>(Lk, 1, kBlockK), NR);  // the widest block's columns
     n_kb = (Lk + kBlockK - 1) / kBlockK;
     n_qb = (Lq + kBlockQ - 1) / kBlockQ;
-    causal_shift = a.causal == 2 ? Lk - Lq : 0;
+    diag = a.causal == 2 ? Lk - Lq : 0;
+    has_hi = a.causal != 0 || a.window_right >= 0;
+    hi_shift = diag + (a.causal != 0 ? 0 : a.window_right);
+    has_lo = a.window_left >= 0;
+    lo_shift = diag - a.window_left;
+    bias_row = a.key_padding_mask || a.attn_mask.ptr || a.bias_table;
+    alibi = a.alibi_slopes != nullptr;
+    if (a.softcap > 0) {
+      cap_in = static_cast<A>(a.scale / a.softcap);
+      cap_out = static_cast<A>(a.softcap * kLog2e);
+    }
   }
 
-  // Key blocks that query rows [q0, q1) can see.
-  int64_t kb_end(const AttnArgs& a, int64_t q1) const {
-    if (!a.causal) return n_kb;
-    const int64_t last_key = q1 - 1 + causal_shift;  // the last query's last allowed key
+  // Key blocks [kb_begin, kb_end) that query rows [q0, q1) can see.
+  int64_t kb_begin(int64_t q0) const {
+    if (!has_lo) return 0;
+    const int64_t first_key = q0 + lo_shift;  // the first query's first visible key
+    return first_key <= 0 ? 0 : std::min(n_kb, first_key / kBlockK);
+  }
+  int64_t kb_end(int64_t q1) const {
+    if (!has_hi) return n_kb;
+    const int64_t last_key = q1 - 1 + hi_shift;  // the last query's last visible key
     if (last_key < 0) return 0;
     return std::min(n_kb, last_key / kBlockK + 1);
   }
-  // Whether some (query, key) pair of the tile is cut by the causal diagonal.
-  bool diagonal(const AttnArgs& a, int64_t q0, int64_t kb) const {
-    return a.causal && (kb + 1) * kBlockK - 1 > q0 + causal_shift;
+  // Query rows [q_begin, q_end) that can see some key of block kb.
+  int64_t q_begin(int64_t kb) const {
+    return has_hi ? std::clamp<int64_t>(kb * kBlockK - hi_shift, 0, Lq) : 0;
   }
+  int64_t q_end(int64_t kb) const {
+    return has_lo ? std::clamp<int64_t>(kb * kBlockK + block_keys(kb) - lo_shift, 0, Lq) : Lq;
+  }
+  // Whether some (query, key) pair of the tile is cut by the upper edge (the causal diagonal),
+  // or (query rows [q0, q1)) by the lower one, or by either.
+  bool diagonal(int64_t q0, int64_t kb) const { return has_hi && (kb + 1) * kBlockK - 1 > q0 + hi_shift; }
+  bool lower_cut(int64_t q1, int64_t kb) const { return has_lo && kb * kBlockK < q1 - 1 + lo_shift; }
+  bool cut(int64_t q0, int64_t q1, int64_t kb) const { return diagonal(q0, kb) || lower_cut(q1, kb); }
   // Keys of block kb, and the score columns its tiles compute: rounded up to the micro-tile's
   // NR only, so a short last block (Lk = 2048 = 10 * 192 + 128) costs its own keys, not a
   // whole kBlockK. Columns in [n_keys, cols) are padding keys (zero K/V rows, P = 0).
   int64_t block_keys(int64_t kb) const { return std::min(kBlockK, Lk - kb * kBlockK); }
   static int64_t block_cols(int64_t n_keys) { return round_up_to(n_keys, MicroShape<A>::kNR); }
-  // Whether no mask, key padding, causal cut or padding column touches tile (q0, kb) and the
+  // Whether no mask, bias, softcap, edge or padding column touches tile (q0 .. q1, kb) and the
   // scale is positive: both passes then compute P straight from the GEMM's S with one FMA
   // (exp2_row's mul), the others through score_row. The forward and the backward must agree on
   // this for the backward's P to be the forward's.
-  bool unmasked(const AttnArgs& a, int64_t q0, int64_t kb, A score_mul) const {
+  bool unmasked(int64_t q0, int64_t q1, int64_t kb, A score_mul) const {
     const int64_t n_keys = block_keys(kb);
-    return !diagonal(a, q0, kb) && n_keys == block_cols(n_keys) && !a.key_padding_mask &&
-           !a.attn_mask.ptr && score_mul > A(0);
+    return !cut(q0, q1, kb) && n_keys == block_cols(n_keys) && !bias_row && !alibi && cap_out == A(0) &&
+           score_mul > A(0);
   }
-  // One past the last key of [k0, k0 + n_keys) that causality lets query qi see (0 if none).
-  int64_t causal_end(int64_t qi, int64_t k0, int64_t n_keys) const {
-    return std::clamp<int64_t>(qi + causal_shift - k0 + 1, 0, n_keys);
+  // The visible keys [lo_begin, hi_end) of [k0, k0 + n_keys) for query qi (local indices).
+  int64_t hi_end(int64_t qi, int64_t k0, int64_t n_keys) const {
+    return has_hi ? std::clamp<int64_t>(qi + hi_shift - k0 + 1, 0, n_keys) : n_keys;
   }
-  // The tile's causal band for tile_gemm: local key j is allowed for local query i iff
-  // j <= i + diag. No band (full tile) off the diagonal.
-  Band band(const AttnArgs& a, int64_t q0, int64_t kb, Band::Kind kind) const {
-    if (!diagonal(a, q0, kb)) return {};
-    return {kind, q0 + causal_shift - kb * kBlockK};
+  int64_t lo_begin(int64_t qi, int64_t k0, int64_t n_keys) const {
+    return has_lo ? std::clamp<int64_t>(qi + lo_shift - k0, 0, n_keys) : 0;
+  }
+  // The tile's band for tile_gemm (query rows [q0, q1) of key block kb): local key j is
+  // allowed for local query i iff i + lo_diag <= j <= i + diag, the edges that cut the tile.
+  // No band (full tile) for a tile no edge cuts.
+  Band band(int64_t q0, int64_t q1, int64_t kb, Band::Kind kind) const {
+    const bool upper = diagonal(q0, kb), lower = lower_cut(q1, kb);
+    if (!upper && !lower) return {};
+    Band band;
+    band.kind = kind;
+    if (upper) band.diag = q0 + hi_shift - kb * kBlockK;
+    if (lower) band.lo_diag = q0 + lo_shift - kb * kBlockK;
+    return band;
   }
 };
 
@@ -428,46 +473,75 @@ inline Vectorized<A> exp2_nonpositive(const Vectorized<A>& x) {
   return x.exp2();
 }
 
-// Scores of one row, in place over [0, cols) (cols = Shape::block_cols(n_keys)), in log2 units:
-// s_j = mul * s_j + log2(e) * float mask, -inf where the bool mask is false, the key is
-// padding, causality forbids it, or j >= n_keys (keys k0 .. k0 + n_keys of query qi). mul is
-// scale * log2(e) (Q K^T comes unscaled from the GEMM in both passes). Returns the row max
-// (-inf if no key is allowed).
+// tanh(y) for the softcap. fp32 at the AVX2 / AVX-512 levels: below |y| = 1/4 the odd Taylor
+// polynomial to y^9 (its first omitted term is < 2e-9 there), above it
+// sign(y) (1 - e) / (1 + e) with e = 2^(-2 log2(e) |y|) from exp2_nonpositive (relative error
+// 2e-7 in e, 1 - e >= 0.39 there): absolute error < 3e-7 everywhere, exactly +-1 far out. 17
+// vector operations (Sleef's tanhf, at::vec's tanh, took 1.8x the time of a whole attention
+// forward without softcap at (1, 8, 2048, 64), this one 1.1x). Other levels and fp64: at::vec.
 template <typename A>
-inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b, int64_t h,
-                   int64_t qi, int64_t k0, int64_t n_keys, int64_t cols, bool diagonal, A* bias) {
+inline Vectorized<A> tanh_softcap(const Vectorized<A>& y) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float>) {
+    using V = Vectorized<float>;
+    const V a = y.abs(), y2 = y * y;
+    V p(62.0f / 2835.0f);
+    p = at::vec::fmadd(p, y2, V(-17.0f / 315.0f));
+    p = at::vec::fmadd(p, y2, V(2.0f / 15.0f));
+    p = at::vec::fmadd(p, y2, V(-1.0f / 3.0f));
+    const V small = at::vec::fmadd(p * y2, y, y);
+    const V e = exp2_nonpositive(a * V(static_cast<float>(-2.0 * kLog2e)));
+    const V large = ((V(1.0f) - e) / (V(1.0f) + e)) | (y & V(-0.0f));  // with y's sign
+    return V::blendv(large, small, a < V(0.25f));
+  }
+#endif
+  return y.tanh();
+}
+
+// S = Q K^T (one vector of a row) to log2-unit scores plus `bias`: mul * S + bias, or with
+// softcap cap_out * tanh(cap_in * S) + bias (Shape::cap_*), one rounding of the sum (an
+// explicit FMA, the same on every compiler); d_cap (the backward's, may be null) gets
+// 1 - tanh^2, the derivative of the capped score by the uncapped one.
+template <typename A>
+inline Vectorized<A> transform_scores(const Shape<A>& sh, const Vectorized<A>& S, const Vectorized<A>& mul,
+                                      const Vectorized<A>& bias, A* d_cap) {
+  using V = Vectorized<A>;
+  if (sh.cap_out == A(0)) return at::vec::fmadd(S, mul, bias);
+  const V t = tanh_softcap(S * V(sh.cap_in));
+  if (d_cap) (V(A(1)) - t * t).store(d_cap);
+  return at::vec::fmadd(t, V(sh.cap_out), bias);
+}
+
+// ALiBi's term of one score row, log2 units: -slope * |qi + d - (k0 + j)| at lane j - j0 of
+// vector j0 (the distance as lanes, exact in fp32 below 2^24).
+template <typename A>
+struct AlibiRow {
+  Vectorized<A> neg_slope, origin, iota;
+  AlibiRow(const AttnArgs& a, const Shape<A>& sh, int64_t b, int64_t h, int64_t qi, int64_t k0)
+      : neg_slope(a.alibi_slopes ? -static_cast<A>(kLog2e) *
+                                       static_cast<A>(a.alibi_slopes[b * a.alibi_s[0] + h * a.alibi_s[1]])
+                                 : A(0)),
+        origin(static_cast<A>(qi + sh.diag - k0)), iota(Vectorized<A>::arange(A(0), A(1))) {}
+  Vectorized<A> at(int64_t j0) const {
+    return neg_slope * (origin - (iota + Vectorized<A>(static_cast<A>(j0)))).abs();
+  }
+};
+
+// The additive bias of one row over the visible keys [lo, hi) of [k0, k0 + cols), in log2
+// units, -inf elsewhere and where a bool mask or the key padding excludes a key: the float
+// mask and the relative-position table's entry.
+template <typename A>
+inline void bias_row(const AttnArgs& a, const Shape<A>& sh, int64_t b, int64_t h, int64_t qi, int64_t k0,
+                     int64_t lo, int64_t hi, int64_t cols, A* bias) {
   using V = Vectorized<A>;
   constexpr int64_t kV = V::size();
-  int64_t allowed_end = n_keys;  // keys j >= allowed_end are excluded (tail or causal)
-  if (diagonal) allowed_end = sh.causal_end(qi, k0, n_keys);
-  V row_max(kNegInf<A>);
-  if (!a.key_padding_mask && !a.attn_mask.ptr) {
-    // Only the causal cut and padding columns: scaled scores up to allowed_end, -inf after
-    // (entries the causal tile GEMMs left unwritten included), without a bias row.
-    const V mul_v(mul), neg_inf(kNegInf<A>);
-    int64_t j = 0;
-    for (; j + kV <= allowed_end; j += kV) {
-      const V x = V::loadu(s + j) * mul_v;
-      x.store(s + j);
-      row_max = at::vec::maximum(row_max, x);
-    }
-    if (j < allowed_end) {
-      const V x = V::set(neg_inf, V::loadu(s + j) * mul_v, allowed_end - j);
-      x.store(s + j);
-      row_max = at::vec::maximum(row_max, x);
-      j += kV;
-    }
-    std::fill(s + std::min(j, cols), s + cols, kNegInf<A>);
-    return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, row_max);
-  }
-  // A mask: an additive bias row (log2(e) * float mask, -inf for excluded keys). The causal
-  // tile GEMMs (Band::kColsUpTo) may have left entries past allowed_end unwritten.
-  if (diagonal) std::fill(s + allowed_end, s + cols, A(0));
-  std::fill(bias, bias + allowed_end, A(0));
-  std::fill(bias + allowed_end, bias + cols, kNegInf<A>);
+  const A log2e = static_cast<A>(kLog2e);
+  std::fill(bias, bias + lo, kNegInf<A>);
+  std::fill(bias + lo, bias + hi, A(0));
+  std::fill(bias + hi, bias + cols, kNegInf<A>);
   if (a.key_padding_mask) {
     const bool* pad = a.key_padding_mask + b * a.kpm_s[0] + k0 * a.kpm_s[1];
-    for (int64_t j = 0; j < allowed_end; ++j)
+    for (int64_t j = lo; j < hi; ++j)
       if (pad[j * a.kpm_s[1]]) bias[j] = kNegInf<A>;
   }
   if (a.attn_mask.ptr) {
@@ -476,21 +550,73 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
     const int64_t step = a.attn_mask.s[3];
     if (a.mask_is_bool) {
       const bool* m = static_cast<const bool*>(a.attn_mask.ptr) + off;
-      for (int64_t j = 0; j < allowed_end; ++j)
+      for (int64_t j = lo; j < hi; ++j)
         if (!m[j * step]) bias[j] = kNegInf<A>;
     } else {
-      const A log2e = static_cast<A>(kLog2e);
       dispatch_dtype(a.mask_dtype, [&](auto tag) {
         using M = decltype(tag);
         const M* m = static_cast<const M*>(a.attn_mask.ptr) + off;
-        for (int64_t j = 0; j < allowed_end; ++j)
-          bias[j] += log2e * static_cast<A>(static_cast<acc_t<M>>(m[j * step]));
+        for (int64_t j = lo; j < hi; ++j) bias[j] += log2e * static_cast<A>(static_cast<acc_t<M>>(m[j * step]));
       });
     }
   }
-  const V mul_v(mul);
+  if (a.bias_table) {
+    const A* table = static_cast<const A*>(a.bias_table);
+    const int32_t* bucket = a.bias_buckets + (k0 - qi + sh.Lq - 1);  // of key k0 + j at bucket[j]
+    for (int64_t j = lo; j < hi; ++j) bias[j] += log2e * table[static_cast<int64_t>(bucket[j]) * sh.H + h];
+  }
+}
+
+// Scores of one row, in place over [0, cols) (cols = Shape::block_cols(n_keys)), in log2 units:
+// s_j = transform(S_j) (mul * S_j, or softcapped) + the row's bias (bias_row), -inf where a
+// mask, the band (when `cut`: the tile is cut by an edge, Shape::cut) or the end of the keys
+// (j >= n_keys; keys k0 .. k0 + n_keys of query qi) excludes the key. mul is scale * log2(e)
+// (Q K^T comes unscaled from the GEMM in both passes). bias: a row of scratch; d_cap (the
+// backward's, with softcap) gets 1 - tanh^2 per entry. Both Bk_pad + one vector long. Returns
+// the row max (-inf if no key is allowed).
+template <typename A>
+inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b, int64_t h, int64_t qi,
+                   int64_t k0, int64_t n_keys, int64_t cols, bool cut, A* bias, A* d_cap = nullptr) {
+  using V = Vectorized<A>;
+  constexpr int64_t kV = V::size();
+  const int64_t lo = cut ? sh.lo_begin(qi, k0, n_keys) : 0;       // visible keys [lo, hi)
+  const int64_t hi = cut ? sh.hi_end(qi, k0, n_keys) : n_keys;
+  const V mul_v(mul), neg_inf(kNegInf<A>);
+  V row_max(kNegInf<A>);
+  const AlibiRow<A> alibi(a, sh, b, h, qi, k0);
+  if (!sh.bias_row) {
+    // Only the band and the padding columns (and ALiBi, computed here): transformed scores on
+    // [lo, hi), -inf elsewhere (entries the causal tile GEMMs left unwritten included),
+    // without a bias row.
+    const V iota = V::arange(A(0), A(1)), lo_v(static_cast<A>(lo)), hi_v(static_cast<A>(hi));
+    for (int64_t j = 0; j < cols; j += kV) {
+      V x = neg_inf;
+      if (j + kV > lo && j < hi) {
+        x = sh.cap_out == A(0) && !sh.alibi
+                ? V::loadu(s + j) * mul_v
+                : transform_scores(sh, V::loadu(s + j), mul_v, sh.alibi ? alibi.at(j) : V(A(0)),
+                                   d_cap ? d_cap + j : nullptr);
+        if (j < lo || j + kV > hi) {
+          const V idx = iota + V(static_cast<A>(j));
+          x = V::blendv(neg_inf, x, (idx >= lo_v) & (idx < hi_v));
+        }
+      } else if (d_cap) {
+        V(A(0)).store(d_cap + j);
+      }
+      x.store(s + j);
+      row_max = at::vec::maximum(row_max, x);
+    }
+    return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, row_max);
+  }
+  // The band's tile GEMMs (Band::kColsUpTo) may have left entries outside [lo, hi) unwritten.
+  if (cut) {
+    std::fill(s, s + lo, A(0));
+    std::fill(s + hi, s + cols, A(0));
+  }
+  bias_row(a, sh, b, h, qi, k0, lo, hi, cols, bias);
   for (int64_t j = 0; j < cols; j += kV) {
-    const V x = V::loadu(s + j) * mul_v + V::loadu(bias + j);
+    const V extra = sh.alibi ? V::loadu(bias + j) + alibi.at(j) : V::loadu(bias + j);
+    const V x = transform_scores(sh, V::loadu(s + j), mul_v, extra, d_cap ? d_cap + j : nullptr);
     x.store(s + j);
     row_max = at::vec::maximum(row_max, x);
   }

@@ -140,7 +140,7 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
   const int64_t q0 = qb * kBlockQ, n_q = std::min(kBlockQ, sh.Lq - q0);
   A* const s_tile = thread_scratch<A, Scratch::kFwdScores>((kBlockQ + kRowSlack) * kScoreLd);
   A* const acc = thread_scratch<A, Scratch::kFwdAcc>(kBlockQ * sh.Dv_pad);
-  A* const bias = thread_scratch<A, Scratch::kFwdBias>(sh.Bk_pad);
+  A* const bias = thread_scratch<A, Scratch::kFwdBias>(sh.Bk_pad + Vectorized<A>::size());
   A* const row_max = thread_scratch<A, Scratch::kFwdRowMax>(kBlockQ);
   A* const row_sum = thread_scratch<A, Scratch::kFwdRowSum>(kBlockQ);
 
@@ -148,22 +148,23 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
   std::fill(row_max, row_max + kBlockQ, kNegInf<A>);
   std::fill(row_sum, row_sum + kBlockQ, A(0));
 
-  const int64_t kb_end = sh.kb_end(a, q0 + n_q);
+  // The key blocks the block's queries can see (the band's edges: causality, the window).
+  const int64_t kb_begin = sh.kb_begin(q0), kb_end = sh.kb_end(q0 + n_q);
   // acc: written by the first key block's P V (accumulate = false), zero if there is none.
-  if (kb_end == 0) std::fill(acc, acc + kBlockQ * sh.Dv_pad, A(0));
-  for (int64_t kb = 0; kb < kb_end; ++kb) {
+  if (kb_begin >= kb_end) std::fill(acc, acc + kBlockQ * sh.Dv_pad, A(0));
+  for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
     const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
     // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in both GEMMs.
-    gemms.scores(pk, bh_kv, kb, n_q, cols, s_tile, sh.band(a, q0, kb, Band::kColsUpTo));
-    const bool diagonal = sh.diagonal(a, q0, kb);
+    gemms.scores(pk, bh_kv, kb, n_q, cols, s_tile, sh.band(q0, q0 + n_q, kb, Band::kColsUpTo));
+    const bool cut = sh.cut(q0, q0 + n_q, kb);
     // P as the backward computes it (Shape::unmasked): straight from S with one FMA per
-    // score, or after score_row's scale and bias. (A scale <= 0, allowed, flips which score
-    // is the max: score_row handles it.)
-    const bool unmasked = sh.unmasked(a, q0, kb, c.score_mul);
+    // score, or after score_row's transform and bias. (A scale <= 0, allowed, flips which
+    // score is the max: score_row handles it.)
+    const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul);
     for (int64_t i = 0; i < n_q; ++i) {
       A* s = s_tile + i * kScoreLd;
       const A block_max = unmasked ? row_max_of(s, cols) * c.score_mul  // log2 units
-                                   : score_row(a, sh, s, c.score_mul, b, h, q0 + i, k0, n_keys, cols, diagonal, bias);
+                                   : score_row(a, sh, s, c.score_mul, b, h, q0 + i, k0, n_keys, cols, cut, bias);
       const A new_max = std::max(row_max[i], block_max);
       // alpha = 1 exactly when the max did not move (most key blocks): no exp call.
       const A alpha = new_max == row_max[i] ? A(1) : online_softmax_alpha_log2(row_max[i], new_max);
@@ -171,18 +172,22 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
       row_sum[i] = alpha * row_sum[i] + block_sum;
       row_max[i] = new_max;
       if (c.threshold) drop_row(a, s, b, h, q0 + i, k0, n_keys, c.threshold);
-      if (alpha != A(1) && kb > 0) {  // (before the first block's P V, acc holds nothing)
+      if (alpha != A(1) && kb > kb_begin) {  // (before the first block's P V, acc holds nothing)
         A* acc_i = acc + i * sh.Dv_pad;
         const V alpha_v(alpha);
         for (int64_t d = 0; d < sh.Dv_pad; d += V::size()) (V::loadu(acc_i + d) * alpha_v).store(acc_i + d);
       }
       gemms.p_row(s, i, cols);
     }
-    gemms.pv(pk, bh_kv, kb, n_q, n_keys, cols, s_tile, acc, kb > 0, sh.band(a, q0, kb, Band::kInnerUpTo));
+    gemms.pv(pk, bh_kv, kb, n_q, n_keys, cols, s_tile, acc, kb > kb_begin, sh.band(q0, q0 + n_q, kb, Band::kInnerUpTo));
   }
 
+  // A sink joins the denominator (adding no value): the row's max and sum take it, and the
+  // accumulator is rescaled when it moves the max.
+  const A sink = a.sinks ? static_cast<const A*>(a.sinks)[h] * static_cast<A>(kLog2e) : A(0);
   for (int64_t i = 0; i < n_q; ++i) {
-    const V inv(softmax_inv_sum(row_sum[i]) * c.out_scale);
+    const A rescale = a.sinks ? softmax_join_sink_log2(row_max[i], row_sum[i], sink) : A(1);
+    const V inv(softmax_inv_sum(row_sum[i]) * c.out_scale * rescale);
     T* out_i = const_cast<T*>(row_ptr<T>(a.out, b, h, q0 + i));
     const A* acc_i = acc + i * sh.Dv_pad;
     int64_t d = 0;
@@ -222,8 +227,8 @@ void run_tasks(const FwdCall<T>& c, bool amx) {
       return;
     }
     Packed<A> own(sh, 1, sh.n_kb, /*backward=*/false, amx);
-    const int64_t kb_end = sh.kb_end(c.a, sh.Lq);  // the blocks some query of the head can see
-    for (int64_t kb = 0; kb < kb_end; ++kb) pack_kv_block<T, A>(c.a, sh, own, b, hkv, kb, 0, kb);
+    const int64_t kb_end = sh.kb_end(sh.Lq);  // the blocks some query of the head can see
+    for (int64_t kb = sh.kb_begin(0); kb < kb_end; ++kb) pack_kv_block<T, A>(c.a, sh, own, b, hkv, kb, 0, kb);
     for (int64_t qb = 0; qb < sh.n_qb; ++qb) query_block(c, gemms, own, 0, b, h, qb);
   });
 }

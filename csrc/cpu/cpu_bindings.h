@@ -12,6 +12,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -308,6 +309,33 @@ inline cpu::AttnArgs attn_args(const Tensor& q, const Tensor& k, const Tensor& v
   a.scale = o.scale.value_or(1.0 / std::sqrt(static_cast<double>(a.D)));
   a.dropout_p = o.dropout_p;
   std::tie(a.seed, a.offset) = seed_offset(o.rng_state);
+  a.window_left = o.window_left;
+  a.window_right = o.window_right;
+  a.softcap = o.softcap;
+  const at::ScalarType acc = stats_dtype(q);
+  if (const Tensor* s = present(o.alibi_slopes)) {
+    TORCH_CHECK(s->scalar_type() == at::kFloat && (s->dim() == 1 || s->dim() == 2),
+                "fastformer._C: alibi_slopes must be fp32 (H,) or (B, H)");
+    a.alibi_slopes = s->data_ptr<float>();
+    a.alibi_s[0] = s->dim() == 2 ? s->stride(0) : 0;
+    a.alibi_s[1] = s->stride(-1);
+  }
+  if (const Tensor* s = present(o.sinks)) {
+    TORCH_CHECK(s->scalar_type() == acc && s->is_contiguous() && s->numel() == a.H,
+                "fastformer._C: sinks must be (H,) contiguous in the accumulation dtype");
+    a.sinks = s->data_ptr();
+  }
+  if (const Tensor* t = present(o.bias_table)) {
+    const Tensor* buckets = present(o.bias_buckets);
+    TORCH_CHECK(t->scalar_type() == acc && t->is_contiguous() && t->dim() == 2 && t->size(1) == a.H &&
+                    buckets && buckets->scalar_type() == at::kInt && buckets->is_contiguous() &&
+                    buckets->numel() == a.Lq + a.Lk - 1,
+                "fastformer._C: bias_table must be (n_buckets, H) contiguous in the accumulation "
+                "dtype, bias_buckets int32 (Lq + Lk - 1,)");
+    a.bias_table = t->data_ptr();
+    a.n_buckets = t->size(0);
+    a.bias_buckets = buckets->data_ptr<int32_t>();
+  }
   return a;
 }
 
@@ -331,9 +359,13 @@ inline std::vector<Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
   return {out, lse};
 }
 
+// Returns {dq, dk, dv, d attn_mask, d sinks, d bias_table}; the last three only when asked
+// for (need_*), else undefined (None): the mask's gradient in its own shape and dtype (summed
+// over the dims it broadcasts), the others in the accumulation dtype.
 inline std::vector<Tensor> attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
                                          const Tensor& v, const Tensor& out, const Tensor& lse,
-                                         const AttentionOptions& o) {
+                                         const AttentionOptions& o, bool need_dmask, bool need_dsinks,
+                                         bool need_dtable) {
   TORCH_CHECK(dout.size(3) <= 1 || dout.stride(3) == 1, "fastformer._C: dout last dim must be contiguous");
   cpu::AttnArgs a = attn_args(q, k, v, o);
   Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
@@ -341,13 +373,38 @@ inline std::vector<Tensor> attention_bwd(const Tensor& dout, const Tensor& q, co
   a.lse = const_cast<void*>(lse.data_ptr());
   a.dout = view4(dout);
   a.dq = view4(dq); a.dk = view4(dk); a.dv = view4(dv);
+  const auto acc = q.options().dtype(stats_dtype(q));
+  Tensor dmask, dsinks, dtable;
+  const Tensor* mask = present(o.attn_mask);
+  if (need_dmask && mask && mask->scalar_type() != at::kBool) {
+    // Accumulated in the mask's own shape (left-padded to 4-D): stride 0 on the dims it
+    // broadcasts, so that (B, H, Lq, Lk) indices add into it.
+    std::vector<int64_t> shape4(4 - mask->dim(), 1);
+    for (int64_t s : mask->sizes()) shape4.push_back(s);
+    dmask = at::zeros(shape4, acc);
+    for (int d = 0; d < 4; ++d) a.dmask_s[d] = shape4[d] == 1 ? 0 : dmask.stride(d);
+    a.dmask = dmask.data_ptr();
+  }
+  if (need_dsinks && a.sinks) {
+    dsinks = at::zeros({a.B, a.H}, acc);
+    a.dsinks = dsinks.data_ptr();
+  }
+  if (need_dtable && a.bias_table) {
+    dtable = at::zeros({a.n_buckets, a.H}, acc);
+    a.dtable = dtable.data_ptr();
+  }
   if (a.Lq == 0 || a.Lk == 0) {
     dq.zero_(); dk.zero_(); dv.zero_();
+    if (dsinks.defined() && a.Lq > 0) {  // no key: p_sink = 1, d sink = -sum delta = 0 (out = 0)
+      dsinks.zero_();
+    }
   } else if (q.numel() + k.numel() > 0) {
     py::gil_scoped_release no_gil;
     cpu::kernels().attention_bwd(a);
   }
-  return {dq, dk, dv};
+  if (dmask.defined()) dmask = dmask.to(mask->scalar_type()).reshape(mask->sizes());
+  if (dsinks.defined()) dsinks = dsinks.sum(0);
+  return {dq, dk, dv, dmask, dsinks, dtable};
 }
 
 // ---- rotary position embedding ----------------------------------------------------------------

@@ -106,17 +106,25 @@ inline void micro_kernel(int64_t K, const A* __restrict a, int64_t a_row_arg, in
   }
 }
 
-// Causal structure of a tile, in tile-local indices: row i of C may use index t only when
-//   kColsUpTo:  t = column of C,  t <= i + diag   (S = Q K^T, dP = dO V^T: rows are queries)
-//   kInnerUpTo: t = inner index,  t <= i + diag   (O += P V, dQ += dS K: inner index is the key)
-//   kInnerFrom: t = inner index,  t >= i - diag   (dV += P^T dO, dK += dS^T Q: rows are keys)
-// tile_gemm skips micro-tiles / inner ranges that only touch excluded pairs, at micro-tile
-// granularity (MR rows, NR columns): callers must make the excluded entries of the A operand
-// zero, and treat skipped C entries (kColsUpTo only: always excluded ones) as unwritten.
+// Band structure of a tile (causality, a window), in tile-local indices: row i of C may use
+// index t only when
+//   kColsUpTo:  t = column of C,  i + lo_diag <= t <= i + diag   (S = Q K^T, dP = dO V^T: rows
+//               are queries, columns keys)
+//   kInnerUpTo: t = inner index,  i + lo_diag <= t <= i + diag   (O += P V, dQ += dS K: inner
+//               index is the key)
+//   kInnerFrom: t = inner index,  i - diag <= t <= i - lo_diag   (dV += P^T dO, dK += dS^T Q:
+//               rows are keys, the inner index is the query)
+// diag = kFar: no upper edge; lo_diag = -kFar: no lower edge (tile_gemm_amx reads the upper
+// edge only). tile_gemm skips micro-tiles / inner ranges that only touch excluded pairs, at
+// micro-tile granularity (MR rows, NR columns): callers must make the excluded entries of the
+// A operand zero, and treat skipped C entries (kColsUpTo only: always excluded ones) as
+// unwritten.
 struct Band {
   enum Kind { kNone, kColsUpTo, kInnerUpTo, kInnerFrom };
+  static constexpr int64_t kFar = int64_t{1} << 40;
   Kind kind = kNone;
-  int64_t diag = 0;
+  int64_t diag = kFar;
+  int64_t lo_diag = -kFar;
 };
 
 // C[M x N] (+)= A[M x K] * B[K x N] by micro-tiles, B in NR-column panels:
@@ -139,12 +147,21 @@ inline void tile_gemm(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_row
   for (int64_t j = 0; j < N; j += NR) {
     const int64_t n = std::min<int64_t>(NR, N - j);
     const A* b_j = b + (j / NR) * b_panel;
-    // kColsUpTo: rows above j - diag use none of the panel's columns.
-    const int64_t i_begin = band.kind == Band::kColsUpTo ? std::max<int64_t>(0, j - band.diag) / MR * MR : 0;
-    for (int64_t i = i_begin; i < M; i += MR) {
+    // kColsUpTo: rows above j - diag use none of the panel's columns, nor rows past
+    // j + NR - 1 - lo_diag.
+    const bool cols = band.kind == Band::kColsUpTo;
+    const int64_t i_begin = cols ? std::max<int64_t>(0, j - band.diag) / MR * MR : 0;
+    const int64_t i_end = cols ? std::min<int64_t>(M, j + NR - band.lo_diag) : M;
+    for (int64_t i = i_begin; i < i_end; i += MR) {
       int64_t k_lo = 0, k_hi = K;
-      if (band.kind == Band::kInnerUpTo) k_hi = std::clamp<int64_t>(i + MR + band.diag, 0, K);
-      if (band.kind == Band::kInnerFrom) k_lo = std::clamp<int64_t>(i - band.diag, 0, K);
+      if (band.kind == Band::kInnerUpTo) {
+        k_lo = std::clamp<int64_t>(i + band.lo_diag, 0, K);
+        k_hi = std::clamp<int64_t>(i + MR + band.diag, 0, K);
+      } else if (band.kind == Band::kInnerFrom) {
+        k_lo = std::clamp<int64_t>(i - band.diag, 0, K);
+        k_hi = std::clamp<int64_t>(i + MR - band.lo_diag, 0, K);
+      }
+      k_hi = std::max(k_hi, k_lo);  // no inner index: C = 0, or C unchanged when accumulating
       const A* a_i = a_panel ? a + (i / MR) * a_panel : a + i * a_row;
       micro_kernel<A, kARow, kACol>(k_hi - k_lo, a_i + k_lo * a_col, a_row, a_col, b_j + k_lo * ldb, ldb,
                       c + i * ldc + j, ldc, std::min<int64_t>(MR, M - i), n, accumulate);

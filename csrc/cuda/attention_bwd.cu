@@ -1,8 +1,10 @@
 // Flash attention backward, fp16/bf16 on tensor cores (mma.sync m16n8k16, sm_80 and newer), head
 // dims 64 and 128 (template parameter D). Math (reference/attention.py), per (b, h), with the
 // forward's lse:
-//   P = exp(scale Q K^T - lse)      (0 where masked; rows with lse = +inf give P = 0)
-//   delta_i = sum_d dO_id O_id      dS = P * (dO V^T - delta) * scale
+//   x = scale Q K^T, or with softcap c: x = c tanh(scale Q K^T / c)   (ScoreMap: as the forward)
+//   P = exp(x - lse)      (0 where masked: padding, or outside the band of causality and the
+//                          window; rows with lse = +inf give P = 0)
+//   delta_i = sum_d dO_id O_id      dS = P * (dO V^T - delta) * scale  (* (1 - tanh^2), softcap)
 //   dV = P^T dO    dK = dS^T Q    dQ = dS K          (dK, dV summed over the heads of a kv head)
 //
 // Three kernels:
@@ -10,11 +12,15 @@
 //  2. main: one block per (64-key block, kv head, batch); 4 warps, each owning 16 keys, keeping
 //     their dK and dV (16 x D fp32 each) in registers while looping over the query heads of the
 //     kv head (GQA) and, for each, the query blocks of kBlockM rows that can see these keys
-//     (causal: blocks wholly above the diagonal are skipped, the mask is evaluated only in
-//     blocks that cross it). Per query block, in registers: S^T = K Q^T, P^T, dV += P^T dO,
-//     dP^T = V dO^T, dS^T, dK += dS^T Q. dS^T goes to smem (rounded to T), then each warp
-//     computes a 16 x 64 piece of dQ = dS K and adds it to an fp32 (B, H, Lq, D) buffer with
-//     atomics (red.global.add.f32). dK and dV are written once, without atomics.
+//     (Band::rows_of_keys: rows [j0 - hi, j1 - lo]; causal skips the blocks wholly above the
+//     diagonal, a window those below its left edge too; the element mask is evaluated only in
+//     the warp tiles an edge of the band cuts). Per query block, in registers: S^T = K Q^T and
+//     dP^T = V dO^T (both GEMMs first, so that the elementwise pass has an element's score and
+//     dP at once: the softcap's tanh serves P and dS there and is never stored), P^T, dS^T,
+//     dV += P^T dO, dK += dS^T Q. dS^T goes to smem (rounded to T), then each warp computes a
+//     16 x 64 piece of dQ = dS K and adds it to an fp32 (B, H, Lq, D) buffer with atomics
+//     (red.global.add.f32): the dQ part skips the same query blocks. dK and dV are written
+//     once, without atomics (0 for keys no query sees).
 //  3. dq: dq = the fp32 buffer rounded to T, in dq's layout.
 // dQ strategy: atomics rather than a second pass over the keys per query block, because that
 // pass would recompute S and dP (2 of the 5 GEMMs again, +40% tensor-core work); the price is
@@ -24,13 +30,20 @@
 // computed.
 //
 // Memory traffic of the main kernel per block: K and V once; per visited query block Q, dO
-// (kBlockM x D x 2 B each, from L2) and kBlockM x D fp32 atomics.
+// (kBlockM x D x 2 B each, from L2) and kBlockM x D fp32 atomics. With a window (left, right)
+// a key block's rows span 64 + left + right positions, so it visits at most
+// 2 + (64 + left + right) / kBlockM query blocks per query head: traffic and work grow with
+// Lk (left + right), not Lq Lk. Softcap adds no traffic (two more MUFU operations per score).
 // Budget per 128-thread block of the main kernel (nvcc 13.0 -Xptxas -v, fp16 = bf16; 0 bytes
 // spilled everywhere):
-//   D = 64  (kBlockM 64): smem 65,536 B; registers 228 (sm_80), 244 (sm_90)
-//   D = 128 (kBlockM 32): smem 75,264 B; registers 244 (sm_80), 248 (sm_90)
-// so two blocks (8 warps) per SM, bound by registers (capping them at 170 for three blocks
-// spills). kBlockM = 64 at D = 128 would need 115 KB of smem, over sm_86/89's 99 KB per block.
+//   D = 64  (kBlockM 64): smem 65,536 B; registers 254 (sm_80), 254 (sm_90)
+//   D = 128 (kBlockM 32): smem 75,264 B; registers 254 (sm_80), 255 (sm_90)
+// so two blocks (8 warps) per SM, bound by registers. ptxas takes what __launch_bounds__(128, 1)
+// leaves it: capped at 240 (__maxnreg__) the kernel still compiles without spills everywhere,
+// and at 232 it spills 16 bytes at D = 128 on one of sm_80 / sm_90, as the kernel did before
+// it learnt the window and softcap (it took 228-248 registers then); capping at 170 for three
+// blocks spills. kBlockM = 64 at D = 128 would need 115 KB of smem, over sm_86/89's 99 KB per
+// block.
 // The delta and dq kernels: 26 and 28 registers, no smem.
 #include "common/online_softmax.h"
 #include "cuda/attention_common.cuh"
@@ -78,11 +91,13 @@ __global__ void __launch_bounds__(BwdTile<D>::kThreads, 1)
   const int g = lane / 4, t = lane % 4;  // this lane holds rows g, g + 8 and columns 2t, 2t + 1
   const int key0 = n0 + warp * 16;       // first key of this warp's strip
   const bool key_ok[2] = {key_allowed(s, b, key0 + g), key_allowed(s, b, key0 + g + 8)};
-  const int offset = causal_offset(s);
-  const int num_m_blocks = (s.len_q + kBlockM - 1) / kBlockM;
-  // causal: only query rows i >= n0 - offset can see a key of this block
-  const int m_first = s.causal ? max(0, n0 - offset) / kBlockM : 0;
-  const int blocks_per_head = max(0, num_m_blocks - m_first);
+  const Band band = key_band(s);
+  const ScoreMap score(s);
+  // query blocks [m_first, m_stop) hold every row that may see a key of this block
+  const Range rows = band.rows_of_keys(n0, min(n0 + kBlockN, s.len_k) - 1, s.len_q);
+  const int m_first = rows.first / kBlockM;
+  const int m_stop = rows.end > rows.first ? (rows.end + kBlockM - 1) / kBlockM : m_first;
+  const int blocks_per_head = m_stop - m_first;
   const int num_items = group * blocks_per_head;  // (query head, query block) pairs
 
   load_tile_async<kBlockN, D, kThreads>(sK, head_ptr<T>(p.k, b, h_kv), p.k.row, n0, s.len_k);
@@ -106,7 +121,6 @@ __global__ void __launch_bounds__(BwdTile<D>::kThreads, 1)
   if (num_items > 0) load_item(0, 0);
   cp_async_commit();
 
-  const float scale_log2 = s.scale * static_cast<float>(kLog2e);
   float dk[D / 8][4] = {}, dv[D / 8][4] = {};  // this warp's 16 keys x D
   for (int item = 0; item < num_items; ++item) {
     const int stage = item & 1, hq = item_head(item), m0 = item_m0(item);
@@ -119,32 +133,31 @@ __global__ void __launch_bounds__(BwdTile<D>::kThreads, 1)
     const float* lse_i = sLse + stage * kBlockM;
     const float* delta_i = sDelta + stage * kBlockM;
 
-    // P^T = exp2(K Q^T * scale * log2(e) - lse * log2(e)), 16 keys x kBlockM queries
-    float pt[kBlockM / 8][4] = {};
+    // S^T = K Q^T and dP^T = V dO^T, 16 keys x kBlockM queries each; both GEMMs come first so
+    // that the elementwise pass has the raw score and dP of an element at once (the softcap's
+    // tanh is used twice there and never stored)
+    float pt[kBlockM / 8][4] = {}, dst[kBlockM / 8][4] = {};
     gemm_smem_a_bt<T, kBlockM, D>(pt, sK + warp * 16 * kStride, kStride, sQ_i, kStride, lane);
-    const bool crosses_diagonal = s.causal && key0 + 15 > m0 + offset;
+    gemm_smem_a_bt<T, kBlockM, D>(dst, sV + warp * 16 * kStride, kStride, sdO_i, kStride, lane);
+    // P^T = exp2(x - lse log2(e)) (x: ScoreMap), 0 where masked (the band's mask only where an
+    // edge cuts the tile); dS^T = P^T (dP^T - delta) scale (* (1 - tanh^2) with softcap)
+    const bool cut = band.cuts(m0, m0 + kBlockM - 1, key0, key0 + 15);
 #pragma unroll
     for (int nt = 0; nt < kBlockM / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = nt * 8 + 2 * t + (e & 1);
-        float prob = exp2f(pt[nt][e] * scale_log2 - lse_i[col]);
-        if (!key_ok[e >> 1] || (crosses_diagonal && key0 + g + 8 * (e >> 1) > m0 + col + offset))
+        float th = 0.f;  // softcap: tanh(s scale / c)
+        float prob = exp2f(score(pt[nt][e], th) - lse_i[col]);
+        if (!key_ok[e >> 1] || (cut && !band.allows(m0 + col, key0 + g + 8 * (e >> 1))))
           prob = 0.f;
+        float ds = prob * (dst[nt][e] - delta_i[col]) * s.scale;
+        if (score.softcapped()) ds *= softcap_grad(th);
         pt[nt][e] = prob;
+        dst[nt][e] = ds;
       }
     }
-    gemm_c_b<T, D, kBlockM>(dv, pt, sdO_i, kStride, lane);  // dV += P^T dO
-
-    // dS^T = P^T (V dO^T - delta) * scale
-    float dst[kBlockM / 8][4] = {};
-    gemm_smem_a_bt<T, kBlockM, D>(dst, sV + warp * 16 * kStride, kStride, sdO_i, kStride, lane);
-#pragma unroll
-    for (int nt = 0; nt < kBlockM / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        dst[nt][e] = pt[nt][e] * (dst[nt][e] - delta_i[nt * 8 + 2 * t + (e & 1)]) * s.scale;
-    }
+    gemm_c_b<T, D, kBlockM>(dv, pt, sdO_i, kStride, lane);   // dV += P^T dO
     gemm_c_b<T, D, kBlockM>(dk, dst, sQ_i, kStride, lane);  // dK += dS^T Q
 
     T* sdS_lane = sdS + (warp * 16 + g) * Tile::kDsStride + 2 * t;  // rows g, g + 8; cols 2t, +1

@@ -1,5 +1,7 @@
 // Pieces shared by the flash-attention kernels (attention_fwd.cu, attention_bwd.cu): tile
-// copies into shared memory, the per-warp tensor-core GEMMs on 16-row strips, and the masks.
+// copies into shared memory, the per-warp tensor-core GEMMs on 16-row strips, the masks (key
+// padding, and the band that causality and the sliding window leave) and the score map (scale,
+// softcap) both passes apply identically.
 //
 // Shared-memory tiles are row-major with rows kHeadDim + 8 (or kCols + 8) elements apart: the
 // 16 extra bytes move each row 4 banks along, so the 8 row addresses of one ldmatrix phase
@@ -7,6 +9,8 @@
 #pragma once
 #include <math.h>
 
+#include "common/online_softmax.h"
+#include "common/softcap.h"
 #include "cuda/cuda_kernels.h"
 #include "cuda/mma.cuh"
 
@@ -41,10 +45,79 @@ inline cudaError_t dispatch_attention(DType dtype, int head_dim, F&& f) {
   return head_dim == 64 ? f(__half{}, HeadDim<64>{}) : f(__half{}, HeadDim<128>{});
 }
 
-// Causal: key j is allowed for query i iff j <= i + causal_offset.
+// d: key i + d is query i's diagonal (bottom-right alignment for causal 2, else top-left), the
+// diagonal that causality (j <= i + d) and the window are aligned to.
 __device__ __forceinline__ int causal_offset(const AttentionShape& s) {
   return s.causal == 2 ? s.len_k - s.len_q : 0;
 }
+
+// [first, end) of keys or query rows; empty when end <= first.
+struct Range {
+  int first, end;
+};
+
+// The pairs causality and the window allow: key j is visible to query i iff
+// lo <= j - i <= hi (lo = d - window_left, hi = d + window_right, hi = d when causal).
+// lo = -len_q and hi = len_k stand for "no limit" (no pair of the sequences lies beyond them),
+// so both fit an int, and lo <= d <= hi.
+struct Band {
+  int lo, hi;
+
+  __device__ __forceinline__ bool allows(int i, int j) const {
+    const int r = j - i;
+    return r >= lo && r <= hi;
+  }
+  // Some pair of rows [i0, i1] x keys [j0, j1] lies outside the band: the tile needs the
+  // element mask (tiles the band covers wholly skip it).
+  __device__ __forceinline__ bool cuts(int i0, int i1, int j0, int j1) const {
+    return j1 - i0 > hi || j0 - i1 < lo;
+  }
+  __device__ __forceinline__ static int clip(int64_t x, int len) {
+    return static_cast<int>(x < 0 ? 0 : x > len ? len : x);
+  }
+  // Keys [first, end) that some query row of [i0, i1] may see, clipped to [0, len_k) (empty:
+  // end <= first). int64 inside: i1 + hi can pass 2^31 on sequences near the int limit.
+  __device__ __forceinline__ Range keys_of_rows(int i0, int i1, int len_k) const {
+    const int64_t first = static_cast<int64_t>(i0) + lo, end = static_cast<int64_t>(i1) + hi + 1;
+    return {clip(first, len_k), static_cast<int>(end > len_k ? len_k : end)};
+  }
+  // Query rows [first, end) that may see some key of [j0, j1], clipped to [0, len_q).
+  __device__ __forceinline__ Range rows_of_keys(int j0, int j1, int len_q) const {
+    const int64_t first = static_cast<int64_t>(j0) - hi, end = static_cast<int64_t>(j1) - lo + 1;
+    return {clip(first, len_q), static_cast<int>(end > len_q ? len_q : end)};
+  }
+};
+
+__device__ __forceinline__ Band key_band(const AttentionShape& s) {
+  const int64_t d = causal_offset(s);
+  int64_t lo = -static_cast<int64_t>(s.len_q), hi = s.len_k;
+  if (s.window_left >= 0 && d - s.window_left > lo) lo = d - s.window_left;
+  if (s.window_right >= 0 && d + s.window_right < hi) hi = d + s.window_right;
+  if (s.causal && d < hi) hi = d;
+  return {static_cast<int>(lo), static_cast<int>(hi)};
+}
+
+// A raw score q . k -> the exponent the softmax uses, in log2 units (common/online_softmax.h):
+//   x = s scale log2(e)                           without softcap
+//   x = c log2(e) tanh(s scale / c), t = tanh(.)  with softcap c (common/softcap.h)
+// The forward and the backward (which recomputes P = exp2(x - lse log2(e))) call the same
+// function, so they score identically.
+struct ScoreMap {
+  float mul;  // scale log2(e), or scale / c with softcap
+  float cap;  // c log2(e); 0: no softcap
+
+  __device__ __forceinline__ explicit ScoreMap(const AttentionShape& s)
+      : mul(s.softcap > 0.f ? s.scale / s.softcap : s.scale * static_cast<float>(kLog2e)),
+        cap(s.softcap > 0.f ? s.softcap * static_cast<float>(kLog2e) : 0.f) {}
+
+  __device__ __forceinline__ bool softcapped() const { return cap != 0.f; }
+  // x of raw score s; t receives tanh(s scale / c) with softcap (untouched without).
+  __device__ __forceinline__ float operator()(float s, float& t) const {
+    if (!softcapped()) return s * mul;
+    t = softcap_tanh(s * mul);
+    return cap * t;
+  }
+};
 
 // Key j of batch b exists and is not padding.
 __device__ __forceinline__ bool key_allowed(const AttentionShape& s, int64_t b, int j) {

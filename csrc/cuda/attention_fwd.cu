@@ -4,22 +4,30 @@
 // Algorithm (FlashAttention-2): one block per (128-row query block, head, batch); 8 warps, each
 // owning a 16-row strip of queries. Q goes global -> smem (cp.async) -> registers (ldmatrix)
 // once; K and V stream through smem in 64-key blocks j:
-//   S  = Q K_j^T * scale * log2(e), -inf where the key is padding, out of range (both through a
-//        per-block smem row of 0/-inf) or above the causal diagonal
+//   S  = x(Q K_j^T) (ScoreMap, attention_common.cuh: s scale log2(e), or with softcap c
+//        c log2(e) tanh(s scale / c)), -inf where the key is padding, out of range (both
+//        through a per-block smem row of 0/-inf) or outside the band causality and the window
+//        leave (lo <= j - i <= hi, Band)
 //   m' = max(m, rowmax S)   alpha = exp2(m - m')   P = exp2(S - m')   l' = alpha l + rowsum P
 //   O' = alpha O + P V_j    (P rounded to T and re-packed from the S accumulators: no smem)
 // and at the end out = O / l, lse = m ln2 + log l, both from common/online_softmax.h (rows with
-// no allowed key: out 0, lse +inf). Causal: key blocks wholly above the diagonal are not visited
-// and the mask is evaluated only in blocks that cross it. GQA: head h reads kv head
-// h / (H / Hkv). Pipeline: V_j's copy overlaps S = Q K_j^T, K_{j+1}'s copy overlaps P V_j.
+// no allowed key: out 0, lse +inf). Band: only the key blocks that hold a key some row of the
+// query block may see are visited ([i0 + lo, i1 + hi], Band::keys_of_rows: causal skips the
+// blocks above the diagonal, a window those left of it too), and the element mask is evaluated
+// only in the warp tiles an edge of the band cuts. GQA: head h reads kv head h / (H / Hkv).
+// Pipeline: V_j's copy overlaps S = Q K_j^T, K_{j+1}'s copy overlaps P V_j.
 //
 // Memory traffic per block: Q and out once (128 x D each), K and V once per visited key block
-// (read from L2 by every query block: 128 rows of reuse per 64 x D x 2 x 2 B tile loaded).
+// (read from L2 by every query block: 128 rows of reuse per 64 x D x 2 x 2 B tile loaded). With
+// a window (left, right) the keys of a query block span 128 + left + right positions, so it
+// visits at most 2 + (128 + left + right) / 64 key blocks: K/V traffic and work grow with
+// Lq (left + right), not Lq Lk. Softcap adds no traffic (two more MUFU operations per score,
+// common/softcap.h).
 // Budget per 256-thread block (nvcc 13.0 -Xptxas -v, fp16 = bf16; 0 bytes spilled everywhere):
-//   D = 64:  smem (128 + 2 x 64) rows x 72 x 2 B + 64 x 4 B = 37,120 B;  registers 149 (sm_80),
-//            155 (sm_90)
-//   D = 128: smem (128 + 2 x 64) rows x 136 x 2 B + 64 x 4 B = 69,888 B; registers 212 (sm_80),
-//            224 (sm_90)
+//   D = 64:  smem (128 + 2 x 64) rows x 72 x 2 B + 64 x 4 B = 37,120 B;  registers 151 (sm_80),
+//            153 (sm_90)
+//   D = 128: smem (128 + 2 x 64) rows x 136 x 2 B + 64 x 4 B = 69,888 B; registers 211 (sm_80),
+//            219 (sm_90)
 // so one block (8 warps) per SM, bound by registers: capping them at 128 for two blocks
 // (__launch_bounds__(256, 2)) spills at D = 64. Both fit the 99 KB per-block smem of sm_86/89.
 #include "common/online_softmax.h"
@@ -61,10 +69,12 @@ __global__ void __launch_bounds__(FwdTile<D>::kThreads, 1)
 
   const T* k = head_ptr<T>(p.k, b, h_kv);
   const T* v = head_ptr<T>(p.v, b, h_kv);
-  const int offset = causal_offset(s);
-  int n_end = s.len_k;  // keys [0, n_end) can be allowed for some row of this block
-  if (s.causal) n_end = min(n_end, min(m0 + kBlockM, s.len_q) + offset);
-  const int num_n_blocks = n_end > 0 ? (n_end + kBlockN - 1) / kBlockN : 0;
+  const Band band = key_band(s);
+  const ScoreMap score(s);
+  // key blocks [n_first, n_stop) hold every key some row of this block may see
+  const Range keys = band.keys_of_rows(m0, min(m0 + kBlockM, s.len_q) - 1, s.len_k);
+  const int n_first = keys.first / kBlockN;
+  const int n_stop = keys.end > keys.first ? (keys.end + kBlockN - 1) / kBlockN : n_first;
 
   auto load_k = [&](int n0) {
     load_tile_async<kBlockN, D, kThreads>(sK, k, p.k.row, n0, s.len_k);
@@ -72,19 +82,18 @@ __global__ void __launch_bounds__(FwdTile<D>::kThreads, 1)
       sKeyBias[threadIdx.x] = key_allowed(s, b, n0 + threadIdx.x) ? 0.f : -INFINITY;
   };
   load_tile_async<kBlockM, D, kThreads>(sQ, head_ptr<T>(p.q, b, h), p.q.row, m0, s.len_q);
-  if (num_n_blocks > 0) load_k(0);
+  if (n_first < n_stop) load_k(n_first * kBlockN);
   cp_async_commit();
 
-  const float scale_log2 = s.scale * static_cast<float>(kLog2e);
   float o[D / 8][4] = {};  // unnormalized output strip, 16 x D
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};  // rows g, g + 8
   uint32_t q_frag[D / 16][4];
 
-  for (int n_block = 0; n_block < num_n_blocks; ++n_block) {
+  for (int n_block = n_first; n_block < n_stop; ++n_block) {
     const int n0 = n_block * kBlockN;
     cp_async_wait_all();
     __syncthreads();  // K_j and its key bias (and Q) visible to every warp
-    if (n_block == 0) {
+    if (n_block == n_first) {
 #pragma unroll
       for (int ks = 0; ks < D / 16; ++ks)
         load_a(q_frag[ks], sQ + warp * 16 * kStride, kStride, ks * 16, lane);
@@ -95,14 +104,16 @@ __global__ void __launch_bounds__(FwdTile<D>::kThreads, 1)
     float sc[kBlockN / 8][4] = {};  // scores, then probabilities, 16 x kBlockN
     gemm_reg_a_bt<T, kBlockN, D>(sc, q_frag, sK, kStride, lane);
 
-    const bool crosses_diagonal = s.causal && n0 + kBlockN - 1 > row0 + offset;
+    // scaled (softcapped) scores, then the masks; the band's only where an edge cuts the tile
+    const bool cut = band.cuts(row0, row0 + 15, n0, n0 + kBlockN - 1);
 #pragma unroll
     for (int nt = 0; nt < kBlockN / 8; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int col = nt * 8 + 2 * t + (e & 1);
-        float x = sc[nt][e] * scale_log2 + sKeyBias[col];
-        if (crosses_diagonal && n0 + col > row0 + g + 8 * (e >> 1) + offset) x = -INFINITY;
+        float tanh_unused;
+        float x = score(sc[nt][e], tanh_unused) + sKeyBias[col];
+        if (cut && !band.allows(row0 + g + 8 * (e >> 1), n0 + col)) x = -INFINITY;
         sc[nt][e] = x;
       }
     }
@@ -135,7 +146,7 @@ __global__ void __launch_bounds__(FwdTile<D>::kThreads, 1)
     }
     cp_async_wait_all();
     __syncthreads();  // V_j visible; every warp is done with K_j and its key bias
-    if (n_block + 1 < num_n_blocks) load_k(n0 + kBlockN);
+    if (n_block + 1 < n_stop) load_k(n0 + kBlockN);
     cp_async_commit();
     gemm_c_b<T, D, kBlockN>(o, sc, sV, kStride, lane);
   }

@@ -9,8 +9,9 @@
 //   attention_fwd(q, k, v, AttentionOptions)
 //       -> {out (B, H, Lq, D) stored as (B, Lq, H, D), lse (B, H, Lq) fp32}
 //   attention_bwd(dout, q, k, v, out, lse, AttentionOptions) -> {dq, dk, dv}
-//       fp16/bf16, head dim 64 or 128, causal (both alignments) and key_padding_mask only
-//       (the Impl declares no other option); q, k, v, dout, out: 4-D, last dim contiguous,
+//       fp16/bf16, head dim 64 or 128; options: scale, causal (both alignments),
+//       key_padding_mask, window_left / window_right and softcap only (the Impl declares no
+//       other; the rest are checked absent); q, k, v, dout, out: 4-D, last dim contiguous,
 //       any other strides.
 //   ffn_bias_act_fwd(x, bias, activation) -> y = act(x + bias)
 //   ffn_bias_act_bwd(dy, x, bias, activation, need_dbias) -> {dx, dbias}
@@ -30,6 +31,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <cmath>
+#include <limits>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -185,7 +187,8 @@ inline HeadsOut heads_out(const at::Tensor& t) {
   return {t.data_ptr(), t.stride(0), t.stride(1), t.stride(2)};
 }
 
-// q, k, v aligned for the kernels and the call's shape (sizes, scale, causal, key padding).
+// q, k, v aligned for the kernels and the call's shape (sizes, scale, causal, window, softcap,
+// key padding).
 struct AttentionCall {
   at::Tensor q, k, v;
   AttentionShape shape;
@@ -195,7 +198,16 @@ inline AttentionCall attention_call(const at::Tensor& q, const at::Tensor& k, co
                                     const AttentionOptions& o) {
   TORCH_CHECK(!present(o.attn_mask), "fastformer CUDA attention: attn_mask is not supported");
   TORCH_CHECK(o.dropout_p == 0.0, "fastformer CUDA attention: dropout is not supported");
+  TORCH_CHECK(!present(o.alibi_slopes), "fastformer CUDA attention: alibi_slopes is not supported");
+  TORCH_CHECK(!present(o.sinks), "fastformer CUDA attention: sinks is not supported");
+  TORCH_CHECK(!present(o.bias_table) && !present(o.bias_buckets),
+              "fastformer CUDA attention: position_bias (bias_table) is not supported");
   TORCH_CHECK(o.causal >= 0 && o.causal <= 2, "fastformer CUDA attention: causal must be 0, 1 or 2");
+  TORCH_CHECK(o.window_left >= -1 && o.window_right >= -1,
+              "fastformer CUDA attention: window sides must be >= 0 or -1 (no limit), got (",
+              o.window_left, ", ", o.window_right, ")");
+  TORCH_CHECK(std::isfinite(o.softcap) && o.softcap >= 0.0,
+              "fastformer CUDA attention: softcap must be finite and > 0 (0: off), got ", o.softcap);
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
               "fastformer CUDA attention: q, k, v must share a dtype");
   AttentionCall c{attention_aligned(q), attention_aligned(k), attention_aligned(v), {}};
@@ -220,6 +232,12 @@ inline AttentionCall attention_call(const at::Tensor& q, const at::Tensor& k, co
   s.len_k = static_cast<int>(k.size(2));
   s.scale = static_cast<float>(o.scale.value_or(1.0 / std::sqrt(static_cast<double>(s.head_dim))));
   s.causal = static_cast<int>(o.causal);
+  s.window_left = o.window_left;
+  s.window_right = o.window_right;
+  s.softcap = static_cast<float>(o.softcap);
+  TORCH_CHECK(o.softcap == 0.0 || (s.softcap >= std::numeric_limits<float>::min() &&
+                                    std::isfinite(s.softcap)),
+              "fastformer CUDA attention: softcap ", o.softcap, " is outside fp32's normal range");
   if (const at::Tensor* m = present(o.key_padding_mask)) {
     TORCH_CHECK(m->scalar_type() == at::kBool && m->dim() == 2 && m->size(0) == s.batch &&
                     m->size(1) == s.len_k && m->device() == q.device(),

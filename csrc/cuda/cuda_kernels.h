@@ -61,6 +61,11 @@ struct AttentionShape {
   int len_q = 0, len_k = 0;
   float scale = 1.f;
   int causal = 0;            // 0 none, 1 top-left (j <= i), 2 bottom-right (j <= i + Lk - Lq)
+  // Sliding window: key j is visible to query i iff i + d - window_left <= j <= i + d +
+  // window_right, d = Lk - Lq for causal 2, else 0; -1: no limit on that side (causal adds
+  // right = 0). Any value >= -1 (a window wider than the sequences is no limit).
+  int64_t window_left = -1, window_right = -1;
+  float softcap = 0.f;       // > 0: s = softcap * tanh(s / softcap) after scaling (0: off)
   const uint8_t* key_padding = nullptr;  // optional bool (B, Lk), true = padding (ignored key)
   int64_t key_padding_batch_stride = 0, key_padding_key_stride = 0;
 };

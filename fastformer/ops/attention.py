@@ -183,7 +183,7 @@ class _Cuda(Impl):
 
     backend = "cuda"
     dtypes = frozenset({torch.float16, torch.bfloat16})
-    options = _CORE | {"key_padding_mask"}
+    options = _CORE | {"key_padding_mask", "window_left", "window_right", "softcap"}
     features = frozenset({"gqa"})
     head_dim_set = frozenset({64, 128})
 
@@ -195,12 +195,13 @@ class _Cuda(Impl):
 
 @ATTENTION.implementation
 class _Triton(Impl):
-    """ops/attention_triton.py (triton_kernels/attention.py): head dims 16..256."""
+    """ops/attention_triton.py (triton_kernels/attention.py): head dims 16..256, every
+    option (windows, softcap, ALiBi, sinks, the T5 bias table, learned float masks)."""
 
     backend = "triton"
     dtypes = GPU_FLOAT
-    options = _CORE | _MASKS_DROPOUT
-    features = frozenset({"gqa"})
+    options = _CORE | _MASKS_DROPOUT | _VARIANTS
+    features = frozenset({"gqa", "attn_mask_grad"})
     head_dims = (16, 256)
 
     def fwd(self, q, k, v, o):
@@ -208,8 +209,10 @@ class _Triton(Impl):
         return attention_triton.attention_fwd(q, k, v, o)
 
     def bwd(self, grads, saved, o, needs):
+        # (dq, dk, dv, d attn_mask, d sinks, d bias_table); needs: (q, k, v, attn_mask, sinks,
+        # bias_table)
         from . import attention_triton
-        return (*attention_triton.attention_bwd(grads[0], *saved, o), None, None, None)
+        return attention_triton.attention_bwd(grads[0], *saved, o, needs)
 
 
 @ATTENTION.implementation
@@ -218,14 +221,14 @@ class _Cpu(Impl):
 
     backend = "cpu"
     dtypes = ALL_FLOAT
-    options = _CORE | _MASKS_DROPOUT
-    features = frozenset({"gqa"})
+    options = _CORE | _MASKS_DROPOUT | _VARIANTS
+    features = frozenset({"gqa", "attn_mask_grad"})
     head_dims = (1, 256)
 
     fwd = compiled("attention_fwd")
 
     def bwd(self, grads, saved, o, needs):
-        return (*_ext.C.attention_bwd(rowwise(grads[0]), *saved, o), None, None, None)
+        return _ext.C.attention_bwd(rowwise(grads[0]), *saved, o, *needs[3:])
 
 
 @ATTENTION.implementation

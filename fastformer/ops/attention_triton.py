@@ -2,9 +2,12 @@
 
 Called by ``_Triton`` in ops/attention.py with validated inputs: q (B, H, Lq, D), k and v
 (B, Hkv, Lk, D) with any strides and a contiguous last dim (activations are never copied), and
-the call's AttentionOptions ``o``: attn_mask None or a (B, H, Lq, Lk) broadcast view (bool or
-float); key_padding_mask None or bool (B, Lk); causal 0/1/2; rng_state None or an int64 CPU
-tensor [seed, offset].
+the call's AttentionOptions ``o`` (reference/attention.py is the semantics of every field):
+attn_mask None or a bool / float tensor in its own shape, broadcastable to (B, H, Lq, Lk)
+(expanded here as a view: stride 0 on broadcast dims); key_padding_mask None or bool (B, Lk);
+causal 0/1/2; window_left / window_right (-1: no limit); softcap (0: off); alibi_slopes None
+or fp32 (H,) / (B, H); sinks None or fp32 (H,); bias_table None or fp32 (num_buckets, H) with
+bias_buckets int32 (Lq + Lk - 1,); rng_state None or an int64 CPU tensor [seed, offset].
 """
 from __future__ import annotations
 
@@ -46,50 +49,123 @@ def _dropout_args(o):
     return seed, offset, threshold(o.dropout_p), 1.0 / (1.0 - o.dropout_p)
 
 
+def _band(Lq: int, Lk: int, o):
+    """(left, right, WINDOW_LEFT, WINDOW_RIGHT): the band i + d - left <= j <= i + d + right
+    (d = Lk - Lq for causal 2, else 0: the kernels' BOTTOM_RIGHT); causality is right = 0. A
+    limit of max(Lq, Lk) or more excludes no pair: it becomes no limit (no edge masks).
+    WINDOW_RIGHT: 0 no limit, 1 right = 0 (a compile-time 0), 2 right > 0."""
+    left, right = o.window_left, o.window_right
+    if o.causal:
+        right = 0
+    reach = max(Lq, Lk)
+    left = -1 if left >= reach else left
+    right = -1 if right >= reach else right
+    return max(left, 0), max(right, 0), left >= 0, 0 if right < 0 else 1 if right == 0 else 2
+
+
+def _variant_args(q: Tensor, Lk: int, o):
+    """The score-variant arguments every kernel takes: (pointers, strides, scalars, flags) =
+    ((alibi, table, buckets), (alibi b, h; table bucket, head), (left, right, qk_scale,
+    softcap_in), constexprs). q stands in for absent tensors (never read)."""
+    Lq, D = q.shape[2], q.shape[3]
+    scale, cap = o.scale_for(D), float(o.softcap)
+    left, right, has_left, has_right = _band(Lq, Lk, o)
+    slopes, table, buckets = o.alibi_slopes, o.bias_table, o.bias_buckets
+    if slopes is None:
+        slopes, slope_strides = q, (0, 0)
+    else:
+        slope_strides = (0, slopes.stride(0)) if slopes.dim() == 1 else slopes.stride()
+    if table is None:
+        table, buckets, table_strides = q, q, (0, 0)
+    else:
+        table_strides, buckets = table.stride(), buckets.contiguous()
+    qk_scale = (cap if cap > 0 else scale) * _LOG2E
+    softcap_in = scale / cap if cap > 0 else 0.0
+    flags = dict(BOTTOM_RIGHT=o.causal == 2, WINDOW_LEFT=has_left, WINDOW_RIGHT=has_right,
+                 SOFTCAP=cap > 0, ALIBI=o.alibi_slopes is not None,
+                 TABLE=o.bias_table is not None)
+    return ((slopes, table, buckets), (*slope_strides, *table_strides),
+            (left, right, float(qk_scale), float(softcap_in)), flags)
+
+
 def _strides3(t: Tensor):
     """(batch, head, row) strides of a (B, H, L, D) tensor whose last dim is contiguous."""
     return t.stride(0), t.stride(1), t.stride(2)
 
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, o):
-    """Returns (out (B, H, Lq, D) in q's dtype, stored as (B, Lq, H, D); lse (B, H, Lq) fp32)."""
+    """Returns (out (B, H, Lq, D) in q's dtype, stored as (B, Lq, H, D); lse (B, H, Lq) fp32,
+    natural log, the sink included; +inf on rows with no allowed key and no sink)."""
     from ..triton_kernels import attention as tk
     B, H, Lq, D = q.shape
-    scale, dropout_p = o.scale_for(D), o.dropout_p
     Hkv, Lk = k.shape[1], k.shape[2]
     out = q.new_empty((B, Lq, H, v.shape[-1])).transpose(1, 2)
     lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
     mask, mask_strides, kpm, kpm_strides, mask_kind, has_kpm = _mask_args(q, Lk, o)
-    seed, offset, drop_threshold, drop_scale = _dropout_args(o)
+    ptrs, var_strides, scalars, flags = _variant_args(q, Lk, o)
+    sinks = q if o.sinks is None else o.sinks.contiguous()
     kernel, config = tk.kernel_and_config("fwd")
     kernel[lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)](
-        q, k, v, mask, kpm, out, lse,
+        q, k, v, mask, kpm, *ptrs, sinks, out, lse,
         *_strides3(q), *_strides3(k), *_strides3(v), *mask_strides, *kpm_strides,
-        *_strides3(out),
-        H, H // Hkv, Lq, Lk, scale * _LOG2E, seed, offset, drop_threshold, drop_scale,
-        HEAD_DIM=D, CAUSAL=o.causal, MASK_KIND=mask_kind, HAS_KPM=has_kpm,
-        DROPOUT=dropout_p > 0, BLOCK_D=triton.next_power_of_2(D),
+        *_strides3(out), *var_strides,
+        H, H // Hkv, Lq, Lk, *scalars, *_dropout_args(o),
+        HEAD_DIM=D, MASK_KIND=mask_kind, HAS_KPM=has_kpm, DROPOUT=o.dropout_p > 0,
+        SINKS=o.sinks is not None, **flags, BLOCK_D=triton.next_power_of_2(D),
         INTERPRET=tk.interpreter_mode(), **config)
     return out, lse
 
 
-def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, o):
-    """Returns (dq, dk, dv) in the input dtypes; dk, dv summed over each kv head's group."""
+def _mask_grad_buffer(o, B: int, H: int, Lq: int, Lk: int):
+    """(buffer in the mask's shape, its (B, H, Lq, Lk) view, MASK_GRAD): zeros in the mask's
+    dtype, stored tile by tile, when the view has no stride-0 dim of size > 1 (each element is
+    one (b, h, i, j)); else fp32 zeros the kernel adds into with atomics."""
+    from ..triton_kernels import attention as tk
+    mask = o.attn_mask
+    shape = (B, H, Lq, Lk)
+    probe = torch.empty(mask.shape, device="meta").expand(shape)
+    broadcast = any(st == 0 and n > 1 for st, n in zip(probe.stride(), shape))
+    kind = tk.GRAD_ATOMIC if broadcast else tk.GRAD_STORE
+    buf = torch.zeros(mask.shape, device=mask.device,
+                      dtype=torch.float32 if broadcast else mask.dtype)
+    return buf, buf.expand(shape), kind
+
+
+def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, o,
+                  needs=None):
+    """Returns (dq, dk, dv, d attn_mask, d sinks, d bias_table) in the inputs' dtypes; dk, dv
+    summed over each kv head's group; an option's gradient is None when the option is absent
+    (or a bool mask) or `needs` (q, k, v, attn_mask, sinks, bias_table flags; None: all) does
+    not ask for it. d attn_mask has the mask's own shape (dS summed over its broadcast dims);
+    d sinks comes from the saved lse and delta: -sum_(b, i) exp(sink_h - lse) * delta."""
     from ..triton_kernels import attention as tk
     B, H, Lq, D = q.shape
-    scale, dropout_p = o.scale_for(D), o.dropout_p
+    scale = float(o.scale_for(D))  # a Python int would be specialized as an integer argument
     Hkv, Lk = k.shape[1], k.shape[2]
+    needs = (True,) * 6 if needs is None else tuple(needs)
+    want_mask = (needs[3] and o.attn_mask is not None and o.attn_mask.dtype != torch.bool)
+    want_sinks = needs[4] and o.sinks is not None
+    want_table = needs[5] and o.bias_table is not None
     dout = rowwise(dout)  # autograd may hand over an expanded (stride-0) grad
     lse = lse.contiguous()  # ours: already contiguous (no copy)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if want_mask:
+        dmask, dmask_view, mask_grad = _mask_grad_buffer(o, B, H, Lq, Lk)
+    else:
+        dmask, dmask_view, mask_grad = None, q, tk.GRAD_NONE
+    dtable = None
+    if want_table:
+        dtable = torch.zeros(o.bias_table.shape[0], H, dtype=torch.float32, device=q.device)
     if q.numel() == 0 or k.numel() == 0:  # no score at all: every gradient is zero
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        d_sinks = torch.zeros_like(o.sinks) if want_sinks else None
+        return (dq.zero_(), dk.zero_(), dv.zero_(), dmask if dmask is None else
+                dmask.to(o.attn_mask.dtype), d_sinks,
+                dtable if dtable is None else dtable.to(o.bias_table.dtype))
     mask, mask_strides, kpm, kpm_strides, mask_kind, has_kpm = _mask_args(q, Lk, o)
-    seed, offset, drop_threshold, drop_scale = _dropout_args(o)
+    ptrs, var_strides, scalars, flags = _variant_args(q, Lk, o)
     block_d = triton.next_power_of_2(D)
-    interpret = tk.interpreter_mode()
 
     delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
     tk.attn_bwd_delta_kernel[(triton.cdiv(Lq, tk.DELTA_BLOCK_M) * B * H,)](
@@ -98,18 +174,27 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
 
     common = (*_strides3(q), *_strides3(k), *_strides3(v), *mask_strides, *kpm_strides,
               *_strides3(dout))
-    flags = dict(HEAD_DIM=D, CAUSAL=o.causal, MASK_KIND=mask_kind, HAS_KPM=has_kpm,
-                 DROPOUT=dropout_p > 0, BLOCK_D=block_d, INTERPRET=interpret)
-    dropout = (seed, offset, drop_threshold, drop_scale)
-    scale = float(scale)  # a Python int would be specialized as an integer argument
+    flags = dict(HEAD_DIM=D, MASK_KIND=mask_kind, HAS_KPM=has_kpm, DROPOUT=o.dropout_p > 0,
+                 **flags, BLOCK_D=block_d, INTERPRET=tk.interpreter_mode())
+    tail = (*scalars, scale, *_dropout_args(o))
 
     kernel, config = tk.kernel_and_config("dkdv")
     kernel[lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * Hkv,)](
-        q, k, v, mask, kpm, dout, lse, delta, dk, dv, *common, *_strides3(dk), *_strides3(dv),
-        H, Hkv, H // Hkv, Lq, Lk, scale * _LOG2E, scale, *dropout, **flags, **config)
+        q, k, v, mask, kpm, *ptrs, dout, lse, delta, dk, dv, *common, *_strides3(dk),
+        *_strides3(dv), *var_strides, H, Hkv, H // Hkv, Lq, Lk, *tail, **flags, **config)
 
     kernel, config = tk.kernel_and_config("dq")
     kernel[lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)](
-        q, k, v, mask, kpm, dout, lse, delta, dq, *common, *_strides3(dq),
-        H, H // Hkv, Lq, Lk, scale * _LOG2E, scale, *dropout, **flags, **config)
-    return dq, dk, dv
+        q, k, v, mask, kpm, *ptrs, dout, lse, delta, dq, dmask_view,
+        q if dtable is None else dtable, *common, *_strides3(dq),
+        *(dmask_view.stride() if want_mask else (0, 0, 0, 0)), *var_strides,
+        H, H // Hkv, Lq, Lk, *tail, MASK_GRAD=mask_grad, TABLE_GRAD=want_table, **flags,
+        **config)
+
+    d_mask = None if dmask is None else dmask.to(o.attn_mask.dtype)
+    d_sinks = None
+    if want_sinks:
+        p_sink = torch.exp(o.sinks.to(torch.float32)[None, :, None] - lse)  # 0 where lse = inf
+        d_sinks = (-(p_sink * delta).sum((0, 2))).to(o.sinks.dtype)
+    d_table = None if dtable is None else dtable.to(o.bias_table.dtype)
+    return dq, dk, dv, d_mask, d_sinks, d_table

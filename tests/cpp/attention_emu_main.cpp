@@ -4,7 +4,8 @@
 // and the workspaces, all pre-filled with NaN so an element a kernel forgets to write shows.
 //
 // Usage: attention_emu DIR. DIR/params.txt holds, whitespace-separated:
-//   dtype(1 f16, 2 bf16) head_dim B H Hkv Lq Lk causal scale has_key_padding
+//   dtype(1 f16, 2 bf16) head_dim B H Hkv Lq Lk causal scale has_key_padding window_left
+//   window_right softcap   (the window sides -1 for no limit, softcap 0 for off)
 //   then for each of q, k, v, dout: FILE OFFSET BATCH_STRIDE HEAD_STRIDE ROW_STRIDE, the tensor
 //   being element (b, h, i, d) = DIR/FILE's 16-bit storage at OFFSET + b*BATCH_STRIDE + ...
 //   (tensors may share a file: k and v as views of one packed buffer)
@@ -75,10 +76,11 @@ int main(int argc, char** argv) {
   FILE* pf = fopen((dir + "/params.txt").c_str(), "r");
   if (!pf) return 2;
   int dtype, head_dim, causal, has_kpm;
-  long long B, H, Hkv, Lq, Lk;
-  float scale;
-  if (fscanf(pf, "%d %d %lld %lld %lld %lld %lld %d %f %d", &dtype, &head_dim, &B, &H, &Hkv, &Lq,
-             &Lk, &causal, &scale, &has_kpm) != 10)
+  long long B, H, Hkv, Lq, Lk, window_left, window_right;
+  float scale, softcap;
+  if (fscanf(pf, "%d %d %lld %lld %lld %lld %lld %d %f %d %lld %lld %f", &dtype, &head_dim, &B, &H,
+             &Hkv, &Lq, &Lk, &causal, &scale, &has_kpm, &window_left, &window_right,
+             &softcap) != 13)
     return 2;
   std::map<std::string, Buffer> files;
   cuda::HeadsIn inputs[4];  // q, k, v, dout
@@ -105,6 +107,9 @@ int main(int argc, char** argv) {
   shape.len_k = static_cast<int>(Lk);
   shape.scale = scale;
   shape.causal = causal;
+  shape.window_left = window_left;
+  shape.window_right = window_right;
+  shape.softcap = softcap;
   if (has_kpm) {
     shape.key_padding = kpm.data();
     shape.key_padding_batch_stride = Lk;
