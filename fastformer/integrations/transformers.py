@@ -4,18 +4,67 @@
     ff_hf.register()
     model = AutoModel.from_config(config, attn_implementation="fastformer")
 
-:func:`register` adds :func:`attention_forward` to transformers' ``AttentionInterface`` and
-transformers' SDPA mask builder to its ``AttentionMaskInterface`` under the same name, so models
-that dispatch through them (BERT, GPT-2, Llama, ... in transformers >= 4.48) build the same masks
-as for ``"sdpa"`` (bool, True = attend, or None) and call ``ff.attention`` instead of
+:func:`register` (the only setup step) adds :func:`attention_forward` to transformers'
+``AttentionInterface`` and :func:`build_mask` to its ``AttentionMaskInterface`` under the same
+name, so models that dispatch through them (BERT, GPT-2, Llama, Mistral, Qwen2, Gemma 2/3,
+gpt-oss, T5, ... in transformers >= 4.48) call ``ff.attention`` instead of
 ``F.scaled_dot_product_attention``: grouped-query attention without repeating the kv heads,
-padding and causal masks read blockwise, dropout without storing a mask.
+dropout without storing a mask, and every variant below computed inside the kernel.
 
-transformers is imported only when :func:`register` is called (it is an optional dependency).
+What the attention function maps (the keywords transformers' models pass it):
+
+==================  ===========================================================================
+transformers        ``ff.attention``
+==================  ===========================================================================
+``scaling``         ``scale``
+``dropout``         ``dropout_p``
+``is_causal``       ``causal`` (the module's ``is_causal`` unless the call overrides it), aligned
+                    bottom-right (query i is key i + Lk - Lq: decoding with a KV cache)
+``sliding_window``  ``window=(sliding_window - 1, -1)`` with causality (d = Lk - Lq): key j is
+                    visible to query i iff ``i + d - sliding_window < j <= i + d``, as
+                    masking_utils' ``kv_idx > q_idx - sliding_window`` and FlashAttention's
+                    ``window_size=(sliding_window - 1, sliding_window - 1)`` with causal; left
+                    out when it holds every key (Lk <= sliding_window)
+``softcap``         ``softcap`` (Gemma 2: ``c * tanh(s / c)`` before the mask)
+``s_aux``           ``sinks`` (gpt-oss: one logit per head in every softmax denominator; its
+                    gradient comes from the backward)
+``position_bias``   a float ``attn_mask`` added to the scores (T5's (1, H, Lq, Lk) bias, which
+                    requires grad in training: its gradient comes from the backward), combined
+                    with the model's mask: bool -> -inf where masked, float -> added
+==================  ===========================================================================
+
+Masks. transformers builds one mask per layer type and forward through
+``AttentionMaskInterface[name]``; :func:`build_mask` returns one of three forms, and
+:func:`attention_forward` reads them:
+
+* **key mask** (the fast path): for transformers' plain causal and sliding-window causal
+  patterns (``causal_mask_function``, ``sliding_window_causal_mask_function(w)``, no custom
+  overlay, packing or chunking) whose queries are the last ``q_length`` of the keys (no cache,
+  a DynamicCache, a sliding-window cache), a bool (B, Lk) tensor of the keys that are not padding
+  (True = attend, FlashAttention 2's mask), tagged with the pattern's window and whether any key
+  is padding. The kernel applies causality (bottom-right) and the window itself, visiting only the
+  tiles of the band, and reads the padding as ``key_padding_mask`` (or nothing when there is
+  none): no (Lq, Lk) mask is built. A 2D mask without the tag (e.g. copied to another device) is
+  read the same way, the window then coming from ``sliding_window`` (FlashAttention 2's contract).
+* **4D bool / float**: everything else, complete as transformers' SDPA mask builder makes it
+  (``sdpa_mask`` without its ``is_causal`` shortcut: custom ``or``/``and`` overlays, packed
+  sequences, chunked attention, static caches, torch.compile / tracing) and any 4D mask the user
+  passes: it is the whole pattern, no causality or window is added. Bidirectional padding masks
+  (encoders, cross-attention) are returned as a broadcast (B, 1, 1, Lk) view expanded to
+  (B, 1, Lq, Lk); a bool mask constant over heads and queries is passed as ``key_padding_mask``.
+* **None**: no mask (bidirectional without padding); causality from ``is_causal``.
+
+Attention weights are not computed (as with "sdpa"); models asked for them should use
+``attn_implementation="eager"``. A query row whose keys are all masked (e.g. a left-padding
+query) gets zeros, where eager's finfo.min mask gives the mean of the values: only outputs at
+padding positions differ.
+
+transformers is imported only when :func:`register` or :func:`build_mask` is called (it is an
+optional dependency).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -24,44 +73,181 @@ from ..ops.attention import attention
 
 NAME = "fastformer"
 
+# Set by build_mask() on its (B, Lk) key masks: (window_left, any key is padding).
+_KEY_MASK_TAG = "_fastformer_key_mask"
 
+
+# ---- the attention function --------------------------------------------------------------------
 def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                       attention_mask: Optional[Tensor], dropout: float = 0.0,
                       scaling: Optional[float] = None, is_causal: Optional[bool] = None,
+                      sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                      s_aux: Optional[Tensor] = None, position_bias: Optional[Tensor] = None,
                       **kwargs) -> tuple:
     """transformers' attention-function contract: query (B, H, Lq, D), key/value (B, Hkv, Lk, D),
-    attention_mask None / bool (True = attend) / float (added), broadcastable to
-    (B, H, Lq, Lk). Returns (output (B, Lq, H, D), None): attention weights are not computed
-    (as with "sdpa"); models asked for them should use attn_implementation="eager".
-
-    Causality follows transformers' SDPA integration: the module's ``is_causal`` unless the
-    call overrides it, applied only when no mask was built and Lq > 1 (top-left aligned, as
-    ``is_causal`` in torch SDPA)."""
-    for unsupported in ("softcap", "sliding_window", "position_bias", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"fastformer attention: `{unsupported}` is not supported; use "
-                             "attn_implementation='eager' or 'sdpa' for this model")
-    if is_causal is None:
-        is_causal = getattr(module, "is_causal", True)
-    causal = bool(is_causal) and attention_mask is None and query.shape[2] > 1
-    if attention_mask is not None and attention_mask.dtype != torch.bool:
-        attention_mask = attention_mask.to(query.dtype)
-    out = attention(query, key, value, causal=causal, attn_mask=attention_mask, scale=scaling,
-                    dropout_p=float(dropout))
+    attention_mask None / a (B, Lk) key mask / 4D bool (True = attend) or float (added),
+    broadcastable to (B, H, Lq, Lk) (see the module docstring for how each is read). Returns
+    (output (B, Lq, H, D), None)."""
+    B, _, Lq, _ = query.shape
+    Lk = key.shape[2]
+    key_padding_mask = attn_mask = None
+    window_left = -1
+    if attention_mask is None or attention_mask.dim() == 2:
+        tag = getattr(attention_mask, _KEY_MASK_TAG, None)
+        if tag is not None:  # build_mask(): transformers' causal / sliding pattern itself
+            causal, (window_left, padded) = True, tag
+        else:
+            if is_causal is None:
+                is_causal = getattr(module, "is_causal", True)
+            causal = bool(is_causal)
+            padded = attention_mask is not None
+            if causal and sliding_window:
+                window_left = int(sliding_window) - 1
+        if padded:
+            keys = attention_mask[:, -Lk:]
+            if keys.shape != (B, Lk):
+                raise ValueError(f"fastformer attention: the key mask has shape "
+                                 f"{tuple(attention_mask.shape)}, expected ({B}, >= {Lk})")
+            key_padding_mask = ~keys.bool()
+        if window_left >= Lk - 1:  # the band holds every key: no window to apply
+            window_left = -1
+        causal_arg = ("bottom_right" if Lk != Lq else True) if causal else False
+    else:  # 4D: the complete pattern
+        causal_arg = False
+        key_padding_mask = _as_key_padding(attention_mask, B, Lk)
+        if key_padding_mask is None:
+            attn_mask = attention_mask
+            if attn_mask.dtype != torch.bool:
+                attn_mask = attn_mask.to(query.dtype)
+    if position_bias is not None:
+        attn_mask = _with_bias(position_bias, attn_mask, query.dtype)
+    out = attention(query, key, value, causal=causal_arg, key_padding_mask=key_padding_mask,
+                    attn_mask=attn_mask, scale=scaling, dropout_p=float(dropout),
+                    window=(window_left, -1) if window_left >= 0 else None,
+                    softcap=softcap if softcap else None, sinks=s_aux)
     # (B, H, Lq, D) stored as (B, Lq, H, D): the transpose is the contiguous tensor, no copy.
     return out.transpose(1, 2), None
 
 
+def _as_key_padding(mask: Tensor, B: int, Lk: int) -> Optional[Tensor]:
+    """A 4D bool mask that is the same for every head and query (a padding mask, broadcast or
+    expanded) as a (B, Lk) key_padding_mask (True = padding); None for any other mask."""
+    if (mask.dim() != 4 or mask.dtype != torch.bool or mask.shape[-1] != Lk
+            or mask.shape[0] not in (1, B)):
+        return None
+    if any(mask.shape[d] != 1 and mask.stride(d) != 0 for d in (1, 2)):
+        return None
+    return (~mask[:, 0, 0, :]).expand(B, Lk)
+
+
+def _with_bias(bias: Tensor, mask: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+    """position_bias and the model's (4D) mask as one float attn_mask, as eager adds them."""
+    if mask is None:
+        out = bias
+    elif mask.dtype == torch.bool:
+        out = torch.where(mask, bias, torch.tensor(float("-inf"), dtype=bias.dtype,
+                                                   device=bias.device))
+    else:
+        out = bias + mask
+    return out if out.dtype in (dtype, torch.float32) else out.to(dtype)
+
+
+# ---- the mask function -------------------------------------------------------------------------
+def _closure(fn: Callable) -> dict:
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is None:
+        return {}
+    try:
+        return {name: cell.cell_contents for name, cell in zip(code.co_freevars, cells)}
+    except ValueError:  # an empty cell
+        return {}
+
+
+def _causal_window(fn: Callable) -> Optional[int]:
+    """The left window of transformers' plain causal patterns: -1 for ``causal_mask_function``,
+    w - 1 for ``sliding_window_causal_mask_function(w)``; None for anything else (overlays,
+    chunking, packing, bidirectional, custom functions), which is then built as a full mask."""
+    from transformers import masking_utils as mu
+    if fn is mu.causal_mask_function:
+        return -1
+    if getattr(fn, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = _closure(fn).get("mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2 or mu.causal_mask_function not in parts:
+        return None
+    overlay = parts[0] if parts[1] is mu.causal_mask_function else parts[1]
+    if getattr(overlay, "__qualname__", "") != "sliding_window_overlay.<locals>.inner_mask":
+        return None
+    w = _closure(overlay).get("sliding_window")
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        return None
+    return w - 1
+
+
+def _tracing() -> bool:
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset=0,
+               mask_function: Optional[Callable] = None,
+               attention_mask: Optional[Tensor] = None, allow_is_causal_skip: bool = True,
+               allow_is_bidirectional_skip: bool = False, device="cpu", **kwargs):
+    """transformers' mask-interface contract (``sdpa_mask``'s arguments): the (B, Lk) key mask
+    for plain causal / sliding-window causal patterns, a broadcast view for bidirectional padding,
+    else ``sdpa_mask``'s complete 4D mask (see the module docstring)."""
+    from transformers import masking_utils as mu
+    if mask_function is None:
+        mask_function = mu.causal_mask_function
+    tracing = _tracing()
+    offsets = isinstance(q_offset, int) and isinstance(kv_offset, int)
+    left = _causal_window(mask_function)
+    # The kernel's bottom-right causality is the pattern's when the queries are the last keys
+    # (query i at absolute position q_offset + i, key j at kv_offset + j).
+    if (left is not None and allow_is_causal_skip and not tracing and offsets
+            and kv_length >= q_length and q_offset - kv_offset == kv_length - q_length):
+        keys = _keys(attention_mask, kv_length, kv_offset)
+        padded = keys is not None and not bool(keys.all())
+        if not padded:
+            keys = torch.ones(batch_size, kv_length, dtype=torch.bool, device=device)
+        elif keys.shape[0] != batch_size:
+            keys = keys.expand(batch_size, kv_length)
+        setattr(keys, _KEY_MASK_TAG, (left, padded))
+        return keys
+    if mask_function is mu.bidirectional_mask_function:
+        keys = _keys(attention_mask, kv_length, kv_offset)
+        if keys is None or (not tracing and bool(keys.all())):
+            if allow_is_bidirectional_skip:
+                return None
+            keys = torch.ones(1, kv_length, dtype=torch.bool, device=device)
+        return keys[:, None, None, :].expand(batch_size, 1, q_length, kv_length)
+    # No is_causal shortcut: sdpa's None means top-left causality, ours bottom-right.
+    return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                        q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
+                        attention_mask=attention_mask, allow_is_causal_skip=False,
+                        allow_is_bidirectional_skip=allow_is_bidirectional_skip, device=device,
+                        **kwargs)
+
+
+def _keys(attention_mask: Optional[Tensor], kv_length: int, kv_offset: int) -> Optional[Tensor]:
+    """The 2D padding mask (True = attend) of the keys kv_offset .. kv_offset + kv_length - 1,
+    padded with False past its end (static caches' empty slots), as sdpa_mask reads it."""
+    if attention_mask is None:
+        return None
+    from transformers.masking_utils import prepare_padding_mask
+    padding = prepare_padding_mask(attention_mask.bool(), kv_length, kv_offset)
+    return padding[:, kv_offset:kv_offset + kv_length]
+
+
 def register(name: str = NAME) -> None:
-    """Register fastformer attention with transformers under ``name`` ("fastformer")."""
+    """Register fastformer attention and its mask function with transformers under ``name``."""
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as exc:
         raise ImportError("fastformer.integrations.transformers.register needs transformers "
                           "(pip install transformers)") from exc
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionMaskInterface.register(name, build_mask)
 
 
-__all__ = ["register", "attention_forward", "NAME"]
+__all__ = ["register", "attention_forward", "build_mask", "NAME"]
