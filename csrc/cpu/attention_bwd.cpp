@@ -392,6 +392,10 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t) {
             }
             continue;
           }
+          if (!unmasked && !sh.bias_row && !c.threshold) {  // the band, softcap, ALiBi: one pass
+            p_ds_row(a, sh, p, ds, c.score_mul, b, h, q0 + i, k0, n_keys, cols, cut, lse_log2, delta_h[q0 + i]);
+            continue;
+          }
           if (unmasked) {
             exp2_row(p, cols, lse_log2, c.score_mul);  // P = exp(scale S - lse)
           } else {

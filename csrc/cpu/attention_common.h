@@ -474,11 +474,13 @@ inline Vectorized<A> exp2_nonpositive(const Vectorized<A>& x) {
 }
 
 // tanh(y) for the softcap. fp32 at the AVX2 / AVX-512 levels: below |y| = 1/4 the odd Taylor
-// polynomial to y^9 (its first omitted term is < 2e-9 there), above it
-// sign(y) (1 - e) / (1 + e) with e = 2^(-2 log2(e) |y|) from exp2_nonpositive (relative error
-// 2e-7 in e, 1 - e >= 0.39 there): absolute error < 3e-7 everywhere, exactly +-1 far out. 17
-// vector operations (Sleef's tanhf, at::vec's tanh, took 1.8x the time of a whole attention
-// forward without softcap at (1, 8, 2048, 64), this one 1.1x). Other levels and fp64: at::vec.
+// polynomial to y^9 (its first omitted term is < 2e-9 there; 7 vector operations), and only
+// when a lane is above it sign(y) (1 - e) / (1 + e) with e = 2^(-2 log2(e) |y|) from
+// exp2_nonpositive (relative error 2e-7 in e, 1 - e >= 0.39 there): absolute error < 3e-7
+// everywhere, exactly +-1 far out. Scores below a quarter of the cap are the common case (cap
+// 30 to 50 in Gemma 2, scores of a few units). Sleef's tanhf (at::vec's tanh) took 1.8x the
+// time of a whole attention forward without softcap at (1, 8, 2048, 64). Other levels and
+// fp64: at::vec.
 template <typename A>
 inline Vectorized<A> tanh_softcap(const Vectorized<A>& y) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
@@ -490,9 +492,11 @@ inline Vectorized<A> tanh_softcap(const Vectorized<A>& y) {
     p = at::vec::fmadd(p, y2, V(2.0f / 15.0f));
     p = at::vec::fmadd(p, y2, V(-1.0f / 3.0f));
     const V small = at::vec::fmadd(p * y2, y, y);
+    const V is_small = a < V(0.25f);
+    if (is_small.zero_mask() == 0) return small;  // every lane small
     const V e = exp2_nonpositive(a * V(static_cast<float>(-2.0 * kLog2e)));
     const V large = ((V(1.0f) - e) / (V(1.0f) + e)) | (y & V(-0.0f));  // with y's sign
-    return V::blendv(large, small, a < V(0.25f));
+    return V::blendv(large, small, is_small);
   }
 #endif
   return y.tanh();
@@ -621,6 +625,49 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
     row_max = at::vec::maximum(row_max, x);
   }
   return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, row_max);
+}
+
+// The backward's P and dS of one row in one pass, for rows with no bias row and no dropout
+// (band, padding columns, softcap and ALiBi only): p holds S = Q K^T and ds holds dP = dO V^T
+// on entry; on return p_j = 2^(s_j - lse2) with s_j exactly as score_row scores it (so P is the
+// forward's), dS_j = P_j (dP_j - delta) (1 - tanh^2 with softcap), both 0 outside the row's
+// visible keys [lo, hi) (entries the band's GEMMs left unwritten included). Replaces
+// score_row + exp2_row + the dS pass + the softcap factor's pass.
+template <typename A>
+inline void p_ds_row(const AttnArgs& a, const Shape<A>& sh, A* p, A* ds, A mul, int64_t b, int64_t h, int64_t qi,
+                     int64_t k0, int64_t n_keys, int64_t cols, bool cut, A lse2, A delta) {
+  using V = Vectorized<A>;
+  constexpr int64_t kV = V::size();
+  const int64_t lo = cut ? sh.lo_begin(qi, k0, n_keys) : 0;
+  const int64_t hi = cut ? sh.hi_end(qi, k0, n_keys) : n_keys;
+  const AlibiRow<A> alibi(a, sh, b, h, qi, k0);
+  const V mul_v(mul), neg_shift(-lse2), delta_v(delta), zero(A(0)), neg_inf(kNegInf<A>);
+  const V iota = V::arange(A(0), A(1)), lo_v(static_cast<A>(lo)), hi_v(static_cast<A>(hi));
+  alignas(64) A d_cap[kV];
+  for (int64_t j = 0; j < cols; j += kV) {
+    if (j + kV <= lo || j >= hi) {
+      zero.store(p + j);
+      zero.store(ds + j);
+      continue;
+    }
+    const V S = V::loadu(p + j);
+    V x = sh.cap_out == A(0) && !sh.alibi
+              ? S * mul_v
+              : transform_scores(sh, S, mul_v, sh.alibi ? alibi.at(j) : zero, sh.cap_out != A(0) ? d_cap : nullptr);
+    const bool edge = j < lo || j + kV > hi;
+    V in_band;
+    if (edge) {
+      const V idx = iota + V(static_cast<A>(j));
+      in_band = (idx >= lo_v) & (idx < hi_v);
+      x = V::blendv(neg_inf, x, in_band);
+    }
+    const V p_v = exp2_nonpositive(at::vec::fmadd(x, V(A(1)), neg_shift));
+    V ds_v = p_v * (V::loadu(ds + j) - delta_v);
+    if (sh.cap_out != A(0)) ds_v = ds_v * V::loadu(d_cap);
+    if (edge) ds_v = V::blendv(zero, ds_v, in_band);
+    p_v.store(p + j);
+    ds_v.store(ds + j);
+  }
 }
 
 // p_j = 2^(mul * s_j - shift) in place over [0, n_pad), with one rounding (an FMA); returns the
