@@ -30,8 +30,7 @@ namespace fastformer {
   X(double, softcap)                           \
   X(std::optional<at::Tensor>, alibi_slopes)   \
   X(std::optional<at::Tensor>, sinks)          \
-  X(std::optional<at::Tensor>, bias_table)     \
-  X(std::optional<at::Tensor>, bias_buckets)
+  X(std::optional<at::Tensor>, rel_bias)
 
 #define FF_NORM_OPTIONS(X) \
   X(double, eps)           \

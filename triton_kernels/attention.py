@@ -6,8 +6,8 @@ kv tensors are never repeated); d = Lk - Lq for bottom-right causality, else 0. 
     s_ij = scale * q_i.k_j, or with softcap c: s_ij = c * tanh(scale * q_i.k_j / c)  (tanh
                                                 of exp2: attention_options.tanh)
     s_ij += -slope_bh * |i + d - j|             (ALiBi, slopes (H,) or (B, H))
-          + table[bucket[j - i + Lq - 1], h]   (T5 bias: gathers from the int32 bucket vector
-                                                and the fp32 (num_buckets, H) table)
+          + rel_h[j - i + Lq - 1]               (the relative-position bias, T5's: its (H,
+                                                Lq + Lk - 1) vector per head, from the table)
           + attn_mask_ij                        (a float mask)
 and -inf where the bool attn_mask is False, the key_padding_mask is True, or j is outside the
 band i + d - left <= j <= i + d + right (the window; causality is right = 0; no limit on a
@@ -29,8 +29,8 @@ then out = acc / l and lse = (m + log2 l) * ln 2 (natural log, fp32). A row with
 keeps m = -inf (exp2 is then taken against 0, so p = 0): l = 0, out = 0, lse = +inf; with a
 sink: out = 0, lse = sink.
 Traffic per (query block, key block) tile: K and V tiles, 2 * BLOCK_N * D elements (+ BLOCK_M *
-BLOCK_N attn_mask and BLOCK_N padding-mask elements when given; with a bias table, BLOCK_M *
-BLOCK_N gathers of the bucket vector and of the table, a few KB that stay in cache); per
+BLOCK_N attn_mask and BLOCK_N padding-mask elements when given; with a relative bias, BLOCK_M *
+BLOCK_N gathers from its head's vector, a few KB that stay in cache); per
 program Q and out (BLOCK_M * D each), lse, one slope and one sink. Per head: 2 * Lk * D *
 ceil(Lq / BLOCK_M) elements of K/V (about half when causal, ~ (window + BLOCK_M) / Lk of it
 with a window) + 2 * Lq * D of Q/out; nothing of size Lq * Lk is stored.
@@ -38,7 +38,7 @@ with a window) + 2 * Lq * D of Q/out; nothing of size Lq * Lk is stored.
 Backward, with P = exp2(t - lse * log2 e) recomputed from the saved lse (sink included):
     delta_i = sum_d dO_id * out_id                       (preprocessing kernel)
     dP' = dO v^T * keep / (1 - p_drop),  dS = P * (dP' - delta)
-    d attn_mask += dS,  d table[bucket(j - i), h] += dS  (the gradient of every additive bias)
+    d attn_mask += dS,  d rel_h[j - i + Lq - 1] += dS  (the gradient of every additive bias)
     softcap: dS *= 1 - tanh^2 (the tanh recomputed with the scores)
     dV = (P * keep / (1 - p_drop))^T dO,  dK = scale * dS^T q,  dQ = scale * dS k
     d sink_h = -sum_(b, i) exp(sink_h - lse_bhi) * delta_bhi   (the launcher: B * H * Lq terms)
@@ -54,8 +54,8 @@ to zero and convert, and writes dq in the input dtype directly.
 Option gradients come from the dQ kernel, which meets each (b, h, i, j) of the band once: a
 mask without broadcast dims gets its dS tile stored (BLOCK_M * BLOCK_N writes per tile); a
 broadcast mask an fp32 atomic add into a zeroed buffer of its own shape (stride 0 on the
-broadcast dims: the programs of several (b, h) share an element); the table an fp32 atomic add
-per pair into a zeroed (num_buckets, H) buffer. Those atomics make the two gradients
+broadcast dims: the programs of several (b, h) share an element); the relative bias an fp32
+atomic add per pair into a zeroed (H, Lq + Lk - 1) buffer. Those atomics make the two gradients
 nondeterministic in their last bits on GPUs; dq, dk and dv stay deterministic.
 Rows past Lq read q = dO = 0 and lse = +inf, so P = 0 there; dK/dV rows past Lk are never
 stored, so the dK/dV kernel needs no key-tail mask.
@@ -137,9 +137,9 @@ def _dropout_keep(seed, rng_q, k_idx, drop_threshold):
 # Pointers: a program computes int64 scalar bases (batch, head, block start) and adds int32
 # in-tile offsets (at most BLOCK * row stride) computed once, outside its loops. Every
 # kernel takes, after its own pointers: alibi_ptr (fp32 slopes at b * stride_ab + h *
-# stride_ah; stride_ab = 0 for (H,) slopes), table_ptr (fp32 (num_buckets, H), strides
-# stride_tb, stride_th), bucket_ptr (int32 (Lq + Lk - 1,) contiguous), each read only when its
-# flag is set; win_left, win_right (the band: i + d - win_left <= j <= i + d + win_right, the
+# stride_ah; stride_ab = 0 for (H,) slopes), rel_ptr (fp32 (H, Lq + Lk - 1), the relative-
+# position bias, head stride stride_rh, contiguous per head), each read only when its flag is
+# set; win_left, win_right (the band: i + d - win_left <= j <= i + d + win_right, the
 # left side checked iff WINDOW_LEFT, the right one iff WINDOW_RIGHT: 1 at right = 0, 2 at
 # win_right; d = Lk - Lq iff BOTTOM_RIGHT, else 0); qk_scale = scale * log2 e (with
 # softcap: c * log2 e) and softcap_in = scale / c.
@@ -191,14 +191,14 @@ def attn_fwd_kernel(
     mask_ptr,   # (B, H, Lq, Lk) attn_mask view, any strides (0 on broadcast dims); bool
                 # (True = attend) or float (added); read iff MASK_KIND != 0
     kpm_ptr,    # (B, Lk) bool key_padding_mask, True = padding; read iff HAS_KPM
-    alibi_ptr, table_ptr, bucket_ptr,  # the score terms (see above)
+    alibi_ptr, rel_ptr,  # the score terms (see above)
     sinks_ptr,  # (H,) fp32 contiguous sink logits; read iff SINKS
     out_ptr,    # (B, H, Lq, D) output in q's dtype, strides (stride_ob, stride_oh, stride_om, 1)
     lse_ptr,    # (B, H, Lq) fp32 contiguous: natural-log log-sum-exp, +inf for empty rows
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn, stride_ob, stride_oh, stride_om,
-    stride_ab, stride_ah, stride_tb, stride_th,
+    stride_ab, stride_ah, stride_rh,
     H, GROUPS, Lq, Lk,            # GROUPS = H // Hkv
     win_left, win_right, qk_scale, softcap_in,
     seed, rng_offset, drop_threshold, drop_scale,  # dropout: Philox key, counter base,
@@ -237,7 +237,7 @@ def attn_fwd_kernel(
     rng_q = rng_offset + (bh.to(tl.int64) * Lq + q_idx) * Lk
     band = make_band(Lq, Lk, win_left, win_right, BOTTOM_RIGHT, WINDOW_RIGHT)
     terms = head_terms(qk_scale, softcap_in, alibi_ptr + b * stride_ab + h * stride_ah,
-                       bucket_ptr, table_ptr + h * stride_th, stride_tb, ALIBI)
+                       rel_ptr + h * stride_rh, ALIBI)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -351,7 +351,7 @@ def _dkdv_query_blocks(dk, dv, k, v, k_idx, q_head, do_head, q_offs, do_offs, ls
 def attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr,   # as in attn_fwd_kernel
     mask_ptr, kpm_ptr,     # as in attn_fwd_kernel
-    alibi_ptr, table_ptr, bucket_ptr,  # as in attn_fwd_kernel
+    alibi_ptr, rel_ptr,  # as in attn_fwd_kernel
     do_ptr,      # (B, H, Lq, D) grad of the output, strides (stride_dob, stride_doh, stride_dom, 1)
     lse_ptr,     # (B, H, Lq) fp32 contiguous, from the forward
     delta_ptr,   # (B, H, Lq) fp32 contiguous, from attn_bwd_delta_kernel
@@ -361,7 +361,7 @@ def attn_bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn, stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    stride_ab, stride_ah, stride_tb, stride_th,
+    stride_ab, stride_ah, stride_rh,
     H, Hkv, GROUPS, Lq, Lk, win_left, win_right, qk_scale, softcap_in, scale,
     seed, rng_offset, drop_threshold, drop_scale,
     HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -404,7 +404,7 @@ def attn_bwd_dkdv_kernel(
         delta_head = delta_ptr + bh * Lq
         rng_head = rng_offset + bh * Lq * Lk
         terms = head_terms(qk_scale, softcap_in, alibi_ptr + b * stride_ab + h * stride_ah,
-                           bucket_ptr, table_ptr + h * stride_th, stride_tb, ALIBI)
+                       rel_ptr + h * stride_rh, ALIBI)
         for part in tl.static_range(3):  # edge blocks above (if any), inner, below (if any)
             if part == 0:
                 start_m, end_m = lo, tl.minimum(full_lo, hi)
@@ -462,8 +462,8 @@ def _dq_key_blocks(dq, q, do, lse2, delta, q_idx, k_head, v_head, k_offs, v_offs
         ds = p * (dp - delta[:, None])
         if MASK_GRAD != 0 or TABLE_GRAD:
             option_grads(ds, q_idx[:, None], k_idx[None, :], Lq, Lk,
-                         dmask_rows + n64 * stride_dmn + dmask_offs, terms[3], dtable_head, H,
-                         MASK_GRAD, TABLE_GRAD, INTERPRET)
+                         dmask_rows + n64 * stride_dmn + dmask_offs, dtable_head, MASK_GRAD,
+                         TABLE_GRAD, INTERPRET)
         if SOFTCAP:
             ds = ds * (1.0 - u * u)
         ds_op = _operand(cast_to(ds, k_head.dtype.element_ty, INTERPRET), INTERPRET)
@@ -474,17 +474,17 @@ def _dq_key_blocks(dq, q, do, lse2, delta, q_idx, k_head, v_head, k_offs, v_offs
 @triton.jit(do_not_specialize=_SPECIALIZE_NOT)
 def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, kpm_ptr,  # as in attn_fwd_kernel
-    alibi_ptr, table_ptr, bucket_ptr,        # as in attn_fwd_kernel
+    alibi_ptr, rel_ptr,        # as in attn_fwd_kernel
     do_ptr, lse_ptr, delta_ptr,              # as in attn_bwd_dkdv_kernel
     dq_ptr,      # (B, H, Lq, D) grad of q in q's dtype; strides (stride_dq*, 1)
     dmask_ptr,   # d attn_mask as a (B, H, Lq, Lk) view, strides stride_dm* (0 on broadcast
                  # dims): the mask's dtype (MASK_GRAD 1) or fp32 zeros (2); iff MASK_GRAD
-    dtable_ptr,  # (num_buckets, H) fp32 zeros, contiguous: d bias_table; iff TABLE_GRAD
+    dtable_ptr,  # (H, Lq + Lk - 1) fp32 zeros, contiguous: d rel_bias; iff TABLE_GRAD
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn, stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm, stride_dmb, stride_dmh, stride_dmm, stride_dmn,
-    stride_ab, stride_ah, stride_tb, stride_th,
+    stride_ab, stride_ah, stride_rh,
     H, GROUPS, Lq, Lk, win_left, win_right, qk_scale, softcap_in, scale,
     seed, rng_offset, drop_threshold, drop_scale,
     HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -525,7 +525,7 @@ def attn_bwd_dq_kernel(
     rng_q = rng_offset + row * Lk
     band = make_band(Lq, Lk, win_left, win_right, BOTTOM_RIGHT, WINDOW_RIGHT)
     terms = head_terms(qk_scale, softcap_in, alibi_ptr + b * stride_ab + h * stride_ah,
-                       bucket_ptr, table_ptr + h * stride_th, stride_tb, ALIBI)
+                       rel_ptr + h * stride_rh, ALIBI)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_blocks(start_m, Lq, Lk, band, BLOCK_M, BLOCK_N, WINDOW_LEFT,
@@ -540,7 +540,8 @@ def attn_bwd_dq_kernel(
         if part != 0 or WINDOW_LEFT:
             dq = _dq_key_blocks(
                 dq, q, do, lse2, delta, q_idx, k_head, v_head, k_offs, v_offs, mask_rows,
-                mask_offs, kpm_head, dmask_rows, dmask_offs, dtable_ptr + h, start_n, end_n,
+                mask_offs, kpm_head, dmask_rows, dmask_offs, dtable_ptr + h * (Lq + Lk - 1),
+                start_n, end_n,
                 stride_kn, stride_vn, stride_mn, stride_kpn, stride_dmn, H, Lq, Lk, band, terms,
                 seed, rng_q, drop_threshold, drop_scale, MASK_KIND, HAS_KPM, DROPOUT,
                 WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, TABLE, MASK_GRAD, TABLE_GRAD,

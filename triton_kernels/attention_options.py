@@ -1,5 +1,6 @@
 """Triton helpers of the attention kernels for the score variants: the window band (its
-block ranges and element mask), softcap, ALiBi, the T5 bias table, the option gradients.
+block ranges and element mask), softcap, ALiBi, the relative-position bias, the option
+gradients.
 
 triton_kernels/attention.py states the algorithm and the formulas; fastformer/reference/
 attention.py is the semantics. Conventions here: scores t are in base 2 (t = s * log2 e);
@@ -7,7 +8,7 @@ q_idx, k_idx are query and key indices shaped (M, 1) and (1, N); band = (shift, 
 (make_band): key j is visible to query i iff i + shift - left <= j <= i + shift + right, the
 left side checked iff WINDOW_LEFT, the right one iff WINDOW_RIGHT (1: right = 0, causality,
 folded in by the launcher; 2: a window's right limit); terms = (qk_scale, softcap_in, alibi2,
-bucket_ptr, table_head, stride_tb) of one head (head_terms). Masks are single comparisons (the
+rel_head) of one head (head_terms). Masks are single comparisons (the
 interpreter mis-types `block & scalar` of int1); integer divisions see non-negative operands.
 """
 import triton
@@ -49,14 +50,13 @@ def make_band(Lq, Lk, win_left, win_right, BOTTOM_RIGHT: tl.constexpr,
 
 
 @triton.jit
-def head_terms(qk_scale, softcap_in, alibi_ptr, bucket_ptr, table_head, stride_tb,
-               ALIBI: tl.constexpr):
+def head_terms(qk_scale, softcap_in, alibi_ptr, rel_head, ALIBI: tl.constexpr):
     """terms of one (batch, head): alibi2 = slope * log2 e, loaded once per program and head
-    (0 without ALiBi)."""
+    (0 without ALiBi); rel_head: the head's relative-position bias vector."""
     alibi2 = 0.0
     if ALIBI:
         alibi2 = tl.load(alibi_ptr) * LOG2E
-    return qk_scale, softcap_in, alibi2, bucket_ptr, table_head, stride_tb
+    return qk_scale, softcap_in, alibi2, rel_head
 
 
 @triton.jit
@@ -131,9 +131,9 @@ def score_terms(qk, q_idx, k_idx, Lq, Lk, shift, terms, SOFTCAP: tl.constexpr,
                 ALIBI: tl.constexpr, TABLE: tl.constexpr):
     """(t, u) from the raw dot products qk: t = qk_scale * qk, or with softcap
     t = qk_scale * u, u = tanh(softcap_in * qk) (qk_scale = c log2 e, softcap_in = scale / c);
-    then t -= alibi2 * |i + shift - j| and t += table[bucket[j - i + Lq - 1], h] * log2 e.
-    u (softcap's tanh, for the backward's factor) is 0 without softcap."""
-    qk_scale, softcap_in, alibi2, bucket_ptr, table_head, stride_tb = terms
+    then t -= alibi2 * |i + shift - j| and (TABLE) t += rel[j - i + Lq - 1] * log2 e, the head's
+    relative-position bias. u (softcap's tanh, for the backward's factor) is 0 without softcap."""
+    qk_scale, softcap_in, alibi2, rel_head = terms
     if SOFTCAP:
         u = tanh(qk * softcap_in)
         t = u * qk_scale
@@ -144,24 +144,22 @@ def score_terms(qk, q_idx, k_idx, Lq, Lk, shift, terms, SOFTCAP: tl.constexpr,
         t -= alibi2 * tl.abs(q_idx + shift - k_idx).to(tl.float32)
     if TABLE:
         in_bounds = k_idx < tl.where(q_idx < Lq, Lk, 0)
-        bucket = tl.load(bucket_ptr + (k_idx - q_idx + (Lq - 1)), mask=in_bounds, other=0)
-        t += tl.load(table_head + bucket * stride_tb) * LOG2E
+        t += tl.load(rel_head + (k_idx - q_idx + (Lq - 1)), mask=in_bounds, other=0.0) * LOG2E
     return t, u
 
 
 @triton.jit
-def option_grads(ds, q_idx, k_idx, Lq, Lk, dmask_ptrs, bucket_ptr, dtable_head, dtable_stride,
-                 MASK_GRAD: tl.constexpr, TABLE_GRAD: tl.constexpr, INTERPRET: tl.constexpr):
-    """Adds one tile's dS (fp32, before softcap's factor) to the mask and table gradients:
-    MASK_GRAD 1 stores it (a mask without broadcast dims: each element is one (b, h, i, j)),
-    2 adds it with fp32 atomics (a broadcast mask: several programs share an element); the
-    table gradient is an fp32 atomic add at [bucket(j - i), h]. Pairs past Lq / Lk are left
-    out."""
+def option_grads(ds, q_idx, k_idx, Lq, Lk, dmask_ptrs, drel_head, MASK_GRAD: tl.constexpr,
+                 TABLE_GRAD: tl.constexpr, INTERPRET: tl.constexpr):
+    """Adds one tile's dS (fp32, before softcap's factor) to the mask and relative-bias
+    gradients: MASK_GRAD 1 stores it (a mask without broadcast dims: each element is one
+    (b, h, i, j)), 2 adds it with fp32 atomics (a broadcast mask: several programs share an
+    element); the relative bias's gradient is an fp32 atomic add at [h, j - i + Lq - 1] (the
+    pairs of one diagonal share it). Pairs past Lq / Lk are left out."""
     in_bounds = k_idx < tl.where(q_idx < Lq, Lk, 0)
     if MASK_GRAD == 1:
         tl.store(dmask_ptrs, cast_to(ds, dmask_ptrs.dtype.element_ty, INTERPRET), mask=in_bounds)
     elif MASK_GRAD == 2:
         tl.atomic_add(dmask_ptrs, ds, mask=in_bounds, sem="relaxed")
     if TABLE_GRAD:
-        bucket = tl.load(bucket_ptr + (k_idx - q_idx + (Lq - 1)), mask=in_bounds, other=0)
-        tl.atomic_add(dtable_head + bucket * dtable_stride, ds, mask=in_bounds, sem="relaxed")
+        tl.atomic_add(drel_head + (k_idx - q_idx + (Lq - 1)), ds, mask=in_bounds, sem="relaxed")

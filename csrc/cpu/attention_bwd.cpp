@@ -63,7 +63,9 @@ struct BwdCall {
   // when it broadcasts over keys), so no two threads ever add to one entry.
   const bool fold_b, fold_h;
   const int64_t n_tasks;
-  A* dtable_parts = nullptr;  // (n_tasks, n_buckets, H): each task's part of d bias_table
+  // (n_tasks, H, Lq + Lk - 1 + kRelSlack): each task's part of d rel_bias.
+  A* drel_parts = nullptr;
+  const int64_t drel_size;
 
   static int64_t chunks_for(const AttnArgs& args, const Shape<A>& sh) {
     if (args.dmask && args.dmask_s[3] == 0) return 1;
@@ -77,10 +79,11 @@ struct BwdCall {
         drop_scale(args.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - args.dropout_p) : A(1)),
         lse(static_cast<const A*>(args.lse)), score_mul(static_cast<A>(args.scale * kLog2e)),
         fold_b(args.dmask && args.dmask_s[0] == 0), fold_h(args.dmask && args.dmask_s[1] == 0),
-        n_tasks((fold_b ? 1 : sh.B) * (fold_h ? 1 : sh.Hkv) * n_chunks) {
-    if (args.dtable) {
-      dtable_parts = thread_scratch<A, Scratch::kBwdTableParts>(n_tasks * sh.H * args.n_buckets);
-      std::fill(dtable_parts, dtable_parts + n_tasks * sh.H * args.n_buckets, A(0));
+        n_tasks((fold_b ? 1 : sh.B) * (fold_h ? 1 : sh.Hkv) * n_chunks),
+        drel_size(sh.H * (sh.Lq + sh.Lk - 1 + kRelSlack)) {
+    if (args.drel) {
+      drel_parts = thread_scratch<A, Scratch::kBwdRelParts>(n_tasks * drel_size);
+      std::fill(drel_parts, drel_parts + n_tasks * drel_size, A(0));
     }
     if (!task_owns_dq) {
       dq_part = thread_scratch<A, Scratch::kBwdDqPartials>(n_chunks * sh.B * sh.H * dq_head);
@@ -328,7 +331,7 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t) {
   A* const pd_tile = c.threshold ? thread_scratch<A, Scratch::kBwdPDropped>((kBlockQ + kRowSlack) * kScoreLd) : p_tile;
   A* const bias = thread_scratch<A, Scratch::kBwdBias>(sh.Bk_pad + kV);
   A* const d_cap = sh.cap_out != A(0) ? thread_scratch<A, Scratch::kBwdSoftcapGrad>(sh.Bk_pad + kV) : nullptr;
-  A* const d_table = a.dtable ? c.dtable_parts + t.task * sh.H * a.n_buckets : nullptr;  // this task's part
+  A* const d_rel = a.drel ? c.drel_parts + t.task * c.drel_size : nullptr;  // this task's part
   A* const delta_h = thread_scratch<A, Scratch::kBwdDelta>(sh.Lq);  // delta of the current head
   A* const dq_own = c.task_owns_dq ? thread_scratch<A, Scratch::kBwdDqOwn>(c.dq_head) : nullptr;
 
@@ -392,8 +395,11 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t) {
             }
             continue;
           }
-          if (!unmasked && !sh.bias_row && !c.threshold) {  // the band, softcap, ALiBi: one pass
-            p_ds_row(a, sh, p, ds, c.score_mul, b, h, q0 + i, k0, n_keys, cols, cut, lse_log2, delta_h[q0 + i]);
+          const int64_t qi = q0 + i;
+          // The row's slice of d rel_bias: entry j is key k0 + j's.
+          A* const d_rel_row = d_rel ? d_rel + h * (sh.Lq + sh.Lk - 1 + kRelSlack) + (k0 - qi + sh.Lq - 1) : nullptr;
+          if (!unmasked && !sh.bias_row && !c.threshold) {  // band, softcap, inline terms: one pass
+            p_ds_row(a, sh, p, ds, c.score_mul, b, h, qi, k0, n_keys, cols, cut, lse_log2, delta_h[qi], d_rel_row);
             continue;
           }
           if (unmasked) {
@@ -428,18 +434,15 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t) {
               (V::loadu(p + j) * (V::loadu(ds + j) - delta_v)).store(ds + j);
           }
           std::fill(ds, ds + first_live, A(0));
-          // dS is the gradient of the biased score: of the float mask and of the table entry
+          // dS is the gradient of the biased score: of the float mask and of the relative bias
           // (summed where they broadcast). The softcap's derivative comes after: the biases
           // are added to the capped score.
-          const int64_t qi = q0 + i;
           if (a.dmask) {
             A* dm = static_cast<A*>(a.dmask) + b * a.dmask_s[0] + h * a.dmask_s[1] + qi * a.dmask_s[2] + k0 * a.dmask_s[3];
             for (int64_t j = 0; j < n_keys; ++j) dm[j * a.dmask_s[3]] += ds[j];
           }
-          if (d_table) {
-            const int32_t* bucket = a.bias_buckets + (k0 - qi + sh.Lq - 1);
-            for (int64_t j = 0; j < n_keys; ++j) d_table[static_cast<int64_t>(bucket[j]) * sh.H + h] += ds[j];
-          }
+          if (d_rel_row)
+            for (int64_t j = 0; j < cols; j += kV) (V::loadu(d_rel_row + j) + V::loadu(ds + j)).store(d_rel_row + j);
           if (d_cap)
             for (int64_t j = 0; j < cols; j += kV) (V::loadu(ds + j) * V::loadu(d_cap + j)).store(ds + j);
         }
@@ -485,14 +488,13 @@ void attention_bwd_typed(const AttnArgs& a) {
     }
   });
 
-  // d bias_table = the tasks' parts, summed in task order.
-  if (a.dtable) {
-    A* const dtable = static_cast<A*>(a.dtable);
-    const int64_t n = sh.H * a.n_buckets;
-    for (int64_t x = 0; x < n; ++x) {
+  // d rel_bias = the tasks' parts, summed in task order (the layout of a.drel: padded rows).
+  if (a.drel) {
+    A* const drel = static_cast<A*>(a.drel);
+    for (int64_t x = 0; x < c.drel_size; ++x) {
       A sum = 0;
-      for (int64_t task = 0; task < c.n_tasks; ++task) sum += c.dtable_parts[task * n + x];
-      dtable[x] = sum;
+      for (int64_t task = 0; task < c.n_tasks; ++task) sum += c.drel_parts[task * c.drel_size + x];
+      drel[x] = sum;
     }
   }
 

@@ -35,6 +35,9 @@ constexpr int64_t kBlockK = 192;
 // the backward), a compile-time constant so that the GEMMs reading them as A operands (O += P V,
 // dQ += dS K, dV += P^T dO, dK += dS^T Q) address their MR rows as constant offsets (gemm.h).
 constexpr int64_t kScoreLd = kBlockK + kRowSlack;
+// Columns the relative-position bias vector and its gradient are padded with (bindings), for
+// the vector reads of a block's padding columns (< one NR of them, plus one vector).
+constexpr int64_t kRelSlack = 64;
 
 // The forward's choice of tasks (attention_fwd.cpp): whole heads that pack their own K/V when
 // a head's packed K/V take at most kPackInTaskBytes and there are at least kHeadTasksPerThread
@@ -62,9 +65,9 @@ struct Shape {
   int64_t diag;           // d
   bool has_hi, has_lo;
   int64_t hi_shift, lo_shift;
-  // Masks, key padding or the bias table: a bias row per score row (bias_row). ALiBi is
-  // computed inline. Either way every row goes through score_row.
-  bool bias_row, alibi;
+  // Masks or key padding: a bias row per score row (bias_row). ALiBi and the relative bias
+  // are added inline (InlineBias). Either way every row goes through score_row.
+  bool bias_row, alibi, rel;
   A cap_in = 0, cap_out = 0;  // softcap: s_log2 = cap_out * tanh(cap_in * S), S = Q K^T
 
   explicit Shape(const AttnArgs& a) {
@@ -82,8 +85,9 @@ struct Shape {
     hi_shift = diag + (a.causal != 0 ? 0 : a.window_right);
     has_lo = a.window_left >= 0;
     lo_shift = diag - a.window_left;
-    bias_row = a.key_padding_mask || a.attn_mask.ptr || a.bias_table;
+    bias_row = a.key_padding_mask || a.attn_mask.ptr;
     alibi = a.alibi_slopes != nullptr;
+    rel = a.rel_bias != nullptr;
     if (a.softcap > 0) {
       cap_in = static_cast<A>(a.scale / a.softcap);
       cap_out = static_cast<A>(a.softcap * kLog2e);
@@ -125,8 +129,8 @@ struct Shape {
   // this for the backward's P to be the forward's.
   bool unmasked(int64_t q0, int64_t q1, int64_t kb, A score_mul) const {
     const int64_t n_keys = block_keys(kb);
-    return !cut(q0, q1, kb) && n_keys == block_cols(n_keys) && !bias_row && !alibi && cap_out == A(0) &&
-           score_mul > A(0);
+    return !cut(q0, q1, kb) && n_keys == block_cols(n_keys) && !bias_row && !alibi && !rel &&
+           cap_out == A(0) && score_mul > A(0);
   }
   // The visible keys [lo_begin, hi_end) of [k0, k0 + n_keys) for query qi (local indices).
   int64_t hi_end(int64_t qi, int64_t k0, int64_t n_keys) const {
@@ -516,24 +520,33 @@ inline Vectorized<A> transform_scores(const Shape<A>& sh, const Vectorized<A>& S
   return at::vec::fmadd(t, V(sh.cap_out), bias);
 }
 
-// ALiBi's term of one score row, log2 units: -slope * |qi + d - (k0 + j)| at lane j - j0 of
-// vector j0 (the distance as lanes, exact in fp32 below 2^24).
+// The additive terms of one score row computed per vector, log2 units: ALiBi's
+// -slope * |qi + d - (k0 + j)| (the distance as lanes, exact in fp32 below 2^24) and the
+// relative bias rel_bias[h, k0 + j - qi + Lq - 1], a contiguous slice of the head's vector per
+// row (the bindings pad the vector by kRelSlack columns for the padding columns' reads).
 template <typename A>
-struct AlibiRow {
+struct InlineBias {
   Vectorized<A> neg_slope, origin, iota;
-  AlibiRow(const AttnArgs& a, const Shape<A>& sh, int64_t b, int64_t h, int64_t qi, int64_t k0)
+  const A* rel = nullptr;  // the row's slice: entry j is key k0 + j's bias (log2 units: * log2e)
+  InlineBias(const AttnArgs& a, const Shape<A>& sh, int64_t b, int64_t h, int64_t qi, int64_t k0)
       : neg_slope(a.alibi_slopes ? -static_cast<A>(kLog2e) *
                                        static_cast<A>(a.alibi_slopes[b * a.alibi_s[0] + h * a.alibi_s[1]])
                                  : A(0)),
-        origin(static_cast<A>(qi + sh.diag - k0)), iota(Vectorized<A>::arange(A(0), A(1))) {}
-  Vectorized<A> at(int64_t j0) const {
-    return neg_slope * (origin - (iota + Vectorized<A>(static_cast<A>(j0)))).abs();
+        origin(static_cast<A>(qi + sh.diag - k0)), iota(Vectorized<A>::arange(A(0), A(1))) {
+    if (a.rel_bias)
+      rel = static_cast<const A*>(a.rel_bias) + h * (sh.Lq + sh.Lk - 1 + kRelSlack) + (k0 - qi + sh.Lq - 1);
+  }
+  Vectorized<A> at(const Shape<A>& sh, int64_t j0) const {
+    using V = Vectorized<A>;
+    V x = sh.alibi ? neg_slope * (origin - (iota + V(static_cast<A>(j0)))).abs() : V(A(0));
+    if (sh.rel) x = at::vec::fmadd(V::loadu(rel + j0), V(static_cast<A>(kLog2e)), x);
+    return x;
   }
 };
 
 // The additive bias of one row over the visible keys [lo, hi) of [k0, k0 + cols), in log2
-// units, -inf elsewhere and where a bool mask or the key padding excludes a key: the float
-// mask and the relative-position table's entry.
+// units, -inf elsewhere and where a bool mask or the key padding excludes a key, plus the
+// float mask.
 template <typename A>
 inline void bias_row(const AttnArgs& a, const Shape<A>& sh, int64_t b, int64_t h, int64_t qi, int64_t k0,
                      int64_t lo, int64_t hi, int64_t cols, A* bias) {
@@ -564,11 +577,6 @@ inline void bias_row(const AttnArgs& a, const Shape<A>& sh, int64_t b, int64_t h
       });
     }
   }
-  if (a.bias_table) {
-    const A* table = static_cast<const A*>(a.bias_table);
-    const int32_t* bucket = a.bias_buckets + (k0 - qi + sh.Lq - 1);  // of key k0 + j at bucket[j]
-    for (int64_t j = lo; j < hi; ++j) bias[j] += log2e * table[static_cast<int64_t>(bucket[j]) * sh.H + h];
-  }
 }
 
 // Scores of one row, in place over [0, cols) (cols = Shape::block_cols(n_keys)), in log2 units:
@@ -587,18 +595,19 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
   const int64_t hi = cut ? sh.hi_end(qi, k0, n_keys) : n_keys;
   const V mul_v(mul), neg_inf(kNegInf<A>);
   V row_max(kNegInf<A>);
-  const AlibiRow<A> alibi(a, sh, b, h, qi, k0);
+  const InlineBias<A> inline_bias(a, sh, b, h, qi, k0);
+  const bool inline_terms = sh.alibi || sh.rel;
   if (!sh.bias_row) {
-    // Only the band and the padding columns (and ALiBi, computed here): transformed scores on
+    // Only the band and the padding columns (and the inline terms): transformed scores on
     // [lo, hi), -inf elsewhere (entries the causal tile GEMMs left unwritten included),
     // without a bias row.
     const V iota = V::arange(A(0), A(1)), lo_v(static_cast<A>(lo)), hi_v(static_cast<A>(hi));
     for (int64_t j = 0; j < cols; j += kV) {
       V x = neg_inf;
       if (j + kV > lo && j < hi) {
-        x = sh.cap_out == A(0) && !sh.alibi
+        x = sh.cap_out == A(0) && !inline_terms
                 ? V::loadu(s + j) * mul_v
-                : transform_scores(sh, V::loadu(s + j), mul_v, sh.alibi ? alibi.at(j) : V(A(0)),
+                : transform_scores(sh, V::loadu(s + j), mul_v, inline_terms ? inline_bias.at(sh, j) : V(A(0)),
                                    d_cap ? d_cap + j : nullptr);
         if (j < lo || j + kV > hi) {
           const V idx = iota + V(static_cast<A>(j));
@@ -619,7 +628,7 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
   }
   bias_row(a, sh, b, h, qi, k0, lo, hi, cols, bias);
   for (int64_t j = 0; j < cols; j += kV) {
-    const V extra = sh.alibi ? V::loadu(bias + j) + alibi.at(j) : V::loadu(bias + j);
+    const V extra = inline_terms ? V::loadu(bias + j) + inline_bias.at(sh, j) : V::loadu(bias + j);
     const V x = transform_scores(sh, V::loadu(s + j), mul_v, extra, d_cap ? d_cap + j : nullptr);
     x.store(s + j);
     row_max = at::vec::maximum(row_max, x);
@@ -628,19 +637,21 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
 }
 
 // The backward's P and dS of one row in one pass, for rows with no bias row and no dropout
-// (band, padding columns, softcap and ALiBi only): p holds S = Q K^T and ds holds dP = dO V^T
-// on entry; on return p_j = 2^(s_j - lse2) with s_j exactly as score_row scores it (so P is the
-// forward's), dS_j = P_j (dP_j - delta) (1 - tanh^2 with softcap), both 0 outside the row's
-// visible keys [lo, hi) (entries the band's GEMMs left unwritten included). Replaces
-// score_row + exp2_row + the dS pass + the softcap factor's pass.
+// (band, padding columns, softcap, ALiBi and the relative bias): p holds S = Q K^T and ds holds
+// dP = dO V^T on entry; on return p_j = 2^(s_j - lse2) with s_j exactly as score_row scores it
+// (so P is the forward's), dS_j = P_j (dP_j - delta) (1 - tanh^2 with softcap), both 0 outside
+// the row's visible keys [lo, hi) (entries the band's GEMMs left unwritten included). d_rel
+// (may be null): the row's slice of the relative bias's gradient, which gets dS before the
+// softcap factor. Replaces score_row + exp2_row + the dS pass + the softcap factor's pass.
 template <typename A>
 inline void p_ds_row(const AttnArgs& a, const Shape<A>& sh, A* p, A* ds, A mul, int64_t b, int64_t h, int64_t qi,
-                     int64_t k0, int64_t n_keys, int64_t cols, bool cut, A lse2, A delta) {
+                     int64_t k0, int64_t n_keys, int64_t cols, bool cut, A lse2, A delta, A* d_rel) {
   using V = Vectorized<A>;
   constexpr int64_t kV = V::size();
   const int64_t lo = cut ? sh.lo_begin(qi, k0, n_keys) : 0;
   const int64_t hi = cut ? sh.hi_end(qi, k0, n_keys) : n_keys;
-  const AlibiRow<A> alibi(a, sh, b, h, qi, k0);
+  const InlineBias<A> inline_bias(a, sh, b, h, qi, k0);
+  const bool inline_terms = sh.alibi || sh.rel;
   const V mul_v(mul), neg_shift(-lse2), delta_v(delta), zero(A(0)), neg_inf(kNegInf<A>);
   const V iota = V::arange(A(0), A(1)), lo_v(static_cast<A>(lo)), hi_v(static_cast<A>(hi));
   alignas(64) A d_cap[kV];
@@ -651,9 +662,10 @@ inline void p_ds_row(const AttnArgs& a, const Shape<A>& sh, A* p, A* ds, A mul, 
       continue;
     }
     const V S = V::loadu(p + j);
-    V x = sh.cap_out == A(0) && !sh.alibi
+    V x = sh.cap_out == A(0) && !inline_terms
               ? S * mul_v
-              : transform_scores(sh, S, mul_v, sh.alibi ? alibi.at(j) : zero, sh.cap_out != A(0) ? d_cap : nullptr);
+              : transform_scores(sh, S, mul_v, inline_terms ? inline_bias.at(sh, j) : zero,
+                                 sh.cap_out != A(0) ? d_cap : nullptr);
     const bool edge = j < lo || j + kV > hi;
     V in_band;
     if (edge) {
@@ -663,8 +675,12 @@ inline void p_ds_row(const AttnArgs& a, const Shape<A>& sh, A* p, A* ds, A mul, 
     }
     const V p_v = exp2_nonpositive(at::vec::fmadd(x, V(A(1)), neg_shift));
     V ds_v = p_v * (V::loadu(ds + j) - delta_v);
-    if (sh.cap_out != A(0)) ds_v = ds_v * V::loadu(d_cap);
     if (edge) ds_v = V::blendv(zero, ds_v, in_band);
+    if (d_rel) (V::loadu(d_rel + j) + ds_v).store(d_rel + j);
+    if (sh.cap_out != A(0)) {
+      ds_v = ds_v * V::loadu(d_cap);  // d_cap of unwritten lanes may be NaN: blend again
+      if (edge) ds_v = V::blendv(zero, ds_v, in_band);
+    }
     p_v.store(p + j);
     ds_v.store(ds + j);
   }

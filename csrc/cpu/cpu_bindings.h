@@ -325,23 +325,31 @@ inline cpu::AttnArgs attn_args(const Tensor& q, const Tensor& k, const Tensor& v
                 "fastformer._C: sinks must be (H,) contiguous in the accumulation dtype");
     a.sinks = s->data_ptr();
   }
-  if (const Tensor* t = present(o.bias_table)) {
-    const Tensor* buckets = present(o.bias_buckets);
-    TORCH_CHECK(t->scalar_type() == acc && t->is_contiguous() && t->dim() == 2 && t->size(1) == a.H &&
-                    buckets && buckets->scalar_type() == at::kInt && buckets->is_contiguous() &&
-                    buckets->numel() == a.Lq + a.Lk - 1,
-                "fastformer._C: bias_table must be (n_buckets, H) contiguous in the accumulation "
-                "dtype, bias_buckets int32 (Lq + Lk - 1,)");
-    a.bias_table = t->data_ptr();
-    a.n_buckets = t->size(0);
-    a.bias_buckets = buckets->data_ptr<int32_t>();
-  }
   return a;
+}
+
+// Columns of padding of the relative bias vector and its gradient (attention_common.h's
+// kRelSlack: the kernels read whole vectors past a block's last key).
+constexpr int64_t kRelSlack = 64;
+
+// The relative bias of a call, (H, Lq + Lk - 1), copied into rows padded by kRelSlack zero
+// columns (small: H * (Lq + Lk) values), or an undefined tensor. The kernels keep a pointer.
+inline Tensor padded_rel_bias(const AttentionOptions& o, cpu::AttnArgs& a, const Tensor& q) {
+  const Tensor* r = present(o.rel_bias);
+  if (!r) return Tensor();
+  TORCH_CHECK(r->scalar_type() == stats_dtype(q) && r->dim() == 2 && r->size(0) == a.H &&
+                  r->size(1) == a.Lq + a.Lk - 1,
+              "fastformer._C: rel_bias must be (H, Lq + Lk - 1) in the accumulation dtype");
+  Tensor padded = at::zeros({a.H, a.Lq + a.Lk - 1 + kRelSlack}, r->options());
+  padded.narrow(1, 0, a.Lq + a.Lk - 1).copy_(*r);
+  a.rel_bias = padded.data_ptr();
+  return padded;
 }
 
 inline std::vector<Tensor> attention_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                          const AttentionOptions& o) {
   cpu::AttnArgs a = attn_args(q, k, v, o);
+  const Tensor rel = padded_rel_bias(o, a, q);
   // (B, H, Lq, Dv) stored as (B, Lq, H, Dv): the head merge that follows is a free reshape.
   Tensor out = at::empty({a.B, a.Lq, a.H, a.Dv}, q.options()).transpose(1, 2);
   Tensor lse = at::empty({a.B, a.H, a.Lq}, q.options().dtype(stats_dtype(q)));
@@ -359,22 +367,23 @@ inline std::vector<Tensor> attention_fwd(const Tensor& q, const Tensor& k, const
   return {out, lse};
 }
 
-// Returns {dq, dk, dv, d attn_mask, d sinks, d bias_table}; the last three only when asked
+// Returns {dq, dk, dv, d attn_mask, d sinks, d rel_bias}; the last three only when asked
 // for (need_*), else undefined (None): the mask's gradient in its own shape and dtype (summed
 // over the dims it broadcasts), the others in the accumulation dtype.
 inline std::vector<Tensor> attention_bwd(const Tensor& dout, const Tensor& q, const Tensor& k,
                                          const Tensor& v, const Tensor& out, const Tensor& lse,
                                          const AttentionOptions& o, bool need_dmask, bool need_dsinks,
-                                         bool need_dtable) {
+                                         bool need_drel) {
   TORCH_CHECK(dout.size(3) <= 1 || dout.stride(3) == 1, "fastformer._C: dout last dim must be contiguous");
   cpu::AttnArgs a = attn_args(q, k, v, o);
+  const Tensor rel = padded_rel_bias(o, a, q);
   Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   a.out = view4(out);
   a.lse = const_cast<void*>(lse.data_ptr());
   a.dout = view4(dout);
   a.dq = view4(dq); a.dk = view4(dk); a.dv = view4(dv);
   const auto acc = q.options().dtype(stats_dtype(q));
-  Tensor dmask, dsinks, dtable;
+  Tensor dmask, dsinks, drel;
   const Tensor* mask = present(o.attn_mask);
   if (need_dmask && mask && mask->scalar_type() != at::kBool) {
     // Accumulated in the mask's own shape (left-padded to 4-D): stride 0 on the dims it
@@ -389,9 +398,9 @@ inline std::vector<Tensor> attention_bwd(const Tensor& dout, const Tensor& q, co
     dsinks = at::zeros({a.B, a.H}, acc);
     a.dsinks = dsinks.data_ptr();
   }
-  if (need_dtable && a.bias_table) {
-    dtable = at::zeros({a.n_buckets, a.H}, acc);
-    a.dtable = dtable.data_ptr();
+  if (need_drel && a.rel_bias) {
+    drel = at::zeros({a.H, a.Lq + a.Lk - 1 + kRelSlack}, acc);
+    a.drel = drel.data_ptr();
   }
   if (a.Lq == 0 || a.Lk == 0) {
     dq.zero_(); dk.zero_(); dv.zero_();
@@ -404,7 +413,8 @@ inline std::vector<Tensor> attention_bwd(const Tensor& dout, const Tensor& q, co
   }
   if (dmask.defined()) dmask = dmask.to(mask->scalar_type()).reshape(mask->sizes());
   if (dsinks.defined()) dsinks = dsinks.sum(0);
-  return {dq, dk, dv, dmask, dsinks, dtable};
+  if (drel.defined()) drel = drel.narrow(1, 0, a.Lq + a.Lk - 1);
+  return {dq, dk, dv, dmask, dsinks, drel};
 }
 
 // ---- rotary position embedding ----------------------------------------------------------------

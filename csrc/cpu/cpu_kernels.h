@@ -99,14 +99,13 @@ struct AttnArgs {
   const float* alibi_slopes = nullptr;  // slope of (b, h) at b * alibi_s[0] + h * alibi_s[1]
   int64_t alibi_s[2] = {0, 0};
   const void* sinks = nullptr;       // (H,) in the accumulation type: a logit per head
-  const void* bias_table = nullptr;  // (n_buckets, H) accumulation type, contiguous
-  const int32_t* bias_buckets = nullptr;  // (Lq + Lk - 1,): bucket of key j for query i at j - i + Lq - 1
-  int64_t n_buckets = 0;
+  const void* rel_bias = nullptr;    // (H, Lq + Lk - 1 + 64) accumulation type, contiguous: the
+                                     //   bias of key j for query i at [h, j - i + Lq - 1]
   // backward outputs of the differentiable options (accumulation type; null: not needed)
   void* dmask = nullptr;             // d attn_mask, zeroed by the caller, the mask's own shape as
   int64_t dmask_s[4] = {0, 0, 0, 0}; //   (B, H, Lq, Lk) strides with 0 on broadcast dims (summed)
   void* dsinks = nullptr;            // (B, H): the sink gradient per batch row and head
-  void* dtable = nullptr;            // (n_buckets, H) d bias_table
+  void* drel = nullptr;              // d rel_bias, rel_bias's layout
   // forward outputs / backward inputs
   View4 out;                         // (B, H, Lq, Dv)
   void* lse = nullptr;               // (B, H, Lq) contiguous, f32 (f64 for f64 inputs)

@@ -55,7 +55,7 @@ enum class Scratch : int {
   kBwdDelta,           // delta = rowsum(dO * O) of the current head
   kBwdDqOwn,           // dQ of the head when the task owns it
   kBwdSoftcapGrad,     // softcap: 1 - tanh^2 of a row's scores
-  kBwdTableParts,      // the tasks' parts of d bias_table (shared by the tasks)
+  kBwdRelParts,        // the tasks' parts of d rel_bias (shared by the tasks)
   kBwdQBf16,           // AMX: bf16 rows of Q, dO and their transposes
   kBwdDoBf16,
   kBwdQtBf16,

@@ -200,8 +200,7 @@ inline AttentionCall attention_call(const at::Tensor& q, const at::Tensor& k, co
   TORCH_CHECK(o.dropout_p == 0.0, "fastformer CUDA attention: dropout is not supported");
   TORCH_CHECK(!present(o.alibi_slopes), "fastformer CUDA attention: alibi_slopes is not supported");
   TORCH_CHECK(!present(o.sinks), "fastformer CUDA attention: sinks is not supported");
-  TORCH_CHECK(!present(o.bias_table) && !present(o.bias_buckets),
-              "fastformer CUDA attention: position_bias (bias_table) is not supported");
+  TORCH_CHECK(!present(o.rel_bias), "fastformer CUDA attention: position_bias (rel_bias) is not supported");
   TORCH_CHECK(o.causal >= 0 && o.causal <= 2, "fastformer CUDA attention: causal must be 0, 1 or 2");
   TORCH_CHECK(o.window_left >= -1 && o.window_right >= -1,
               "fastformer CUDA attention: window sides must be >= 0 or -1 (no limit), got (",

@@ -54,11 +54,11 @@ class AttentionOptions(Options):
     softcap: float = 0.0                  # > 0: s = softcap * tanh(s / softcap)
     alibi_slopes: Optional[Tensor] = None  # fp32 (H,) or (B, H): s -= slope * |i + d - j|
     sinks: Optional[Tensor] = None        # fp32 (H,): a logit in every row's denominator
-    bias_table: Optional[Tensor] = None   # fp32 (num_buckets, H): s += table[bucket(j - i), h]
-    bias_buckets: Optional[Tensor] = None  # int32 (Lq + Lk - 1,): the bucket of j - i, at
-                                           # index j - i + Lq - 1 (with the alignment d)
+    rel_bias: Optional[Tensor] = None     # (H, Lq + Lk - 1) accumulation dtype: a bias that
+                                          # depends on j - i only, s += rel_bias[h, j - i + Lq - 1]
+                                          # (T5's, gathered from its table)
 
-    differentiable = ("attn_mask", "sinks", "bias_table")
+    differentiable = ("attn_mask", "sinks", "rel_bias")
 
     def scale_for(self, head_dim: int) -> float:
         return self.scale if self.scale is not None else 1.0 / math.sqrt(head_dim)
@@ -69,9 +69,10 @@ class RelativePositionBias:
 
     The bias of (query i, key j) is ``table[bucket(j - i - d), h]`` with T5's bucket function
     (Hugging Face's ``T5Attention._relative_position_bucket``; d is the causal alignment's
-    offset, Lk - Lq for ``causal="bottom_right"``, else 0). The kernels compute it from the
-    table and a (Lq + Lk - 1) bucket vector, never forming an (Lq, Lk) tensor, and the backward
-    accumulates the table's gradient.
+    offset, Lk - Lq for ``causal="bottom_right"``, else 0). It depends on j - i only: the
+    kernels read it from an (H, Lq + Lk - 1) vector of the table's rows (``rel_bias``, a
+    differentiable gather), never forming an (Lq, Lk) tensor, and their backward returns that
+    vector's gradient, which autograd sums into the table's.
 
     Args:
         table: (num_buckets, H) (``nn.Embedding(num_buckets, H).weight``), may require grad.
@@ -101,6 +102,10 @@ class RelativePositionBias:
         return ref.t5_buckets(rel, self.bidirectional, self.num_buckets,
                               self.max_distance).to(torch.int32)
 
+    def rel_bias(self, Lq: int, Lk: int, d: int = 0) -> Tensor:
+        """(H, Lq + Lk - 1): the bias of key j for query i at [h, j - i + Lq - 1]."""
+        return self.table[self.buckets(Lq, Lk, d).long()].t()
+
     def materialize(self, Lq: int, Lk: int, d: int = 0) -> Tensor:
         """The (1, H, Lq, Lk) bias itself (tests, eager fallbacks)."""
         rel = torch.arange(Lk, device=self.table.device)[None, :] - torch.arange(Lq, device=self.table.device)[:, None]
@@ -115,7 +120,7 @@ class RelativePositionBias:
 _CORE = frozenset({"causal", "scale"})
 _MASKS_DROPOUT = frozenset({"dropout_p", "rng_state", "attn_mask", "key_padding_mask"})
 _VARIANTS = frozenset({"window_left", "window_right", "softcap", "alibi_slopes", "sinks",
-                       "bias_table", "bias_buckets"})
+                       "rel_bias"})
 
 
 def causal_mode(fn: str, causal) -> int:
@@ -163,7 +168,7 @@ def _option_grads_like(o: AttentionOptions, needs) -> tuple:
     mask = o.attn_mask if needs[3] and o.attn_mask is not None else None
     return (None if mask is None else torch.empty_like(mask, memory_format=torch.contiguous_format),
             None if not needs[4] or o.sinks is None else torch.empty_like(o.sinks),
-            None if not needs[5] or o.bias_table is None else torch.empty_like(o.bias_table))
+            None if not needs[5] or o.rel_bias is None else torch.empty_like(o.rel_bias))
 
 
 def _fake_bwd(grads, saved, o, needs):
@@ -209,8 +214,8 @@ class _Triton(Impl):
         return attention_triton.attention_fwd(q, k, v, o)
 
     def bwd(self, grads, saved, o, needs):
-        # (dq, dk, dv, d attn_mask, d sinks, d bias_table); needs: (q, k, v, attn_mask, sinks,
-        # bias_table)
+        # (dq, dk, dv, d attn_mask, d sinks, d rel_bias); needs: (q, k, v, attn_mask, sinks,
+        # rel_bias)
         from . import attention_triton
         return attention_triton.attention_bwd(grads[0], *saved, o, needs)
 
@@ -305,12 +310,21 @@ def _check(fn: str, q, k, v, o: AttentionOptions) -> AttentionOptions:
                          "(one fp32 slope per head, or per batch row and head)")
     _check_tensor_option(fn, "sinks", o.sinks, q, ((H,),), "(one sink logit per query head)",
                          dtypes=_checks.FLOAT_DTYPES)
-    if o.bias_table is not None and o.bias_table.shape[1] != H:
-        raise ValueError(f"{fn}: `position_bias`'s table must be (num_buckets, H) with H = {H} "
-                         f"heads of `q`, got {tuple(o.bias_table.shape)}")
-    if o.bias_table is not None:
-        _checks.same_device(fn, "q", q, **{"position_bias.table": o.bias_table})
     return o
+
+
+def _check_position_bias(fn: str, q: Tensor, position_bias) -> None:
+    if position_bias is None:
+        return
+    if not isinstance(position_bias, RelativePositionBias):
+        raise TypeError(f"{fn}: `position_bias` must be a ff.RelativePositionBias, got "
+                        f"{type(position_bias).__name__} (pass a materialized bias as a float "
+                        "`attn_mask`)")
+    table, H = position_bias.table, q.shape[1]
+    if table.shape[1] != H:
+        raise ValueError(f"{fn}: `position_bias`'s table must be (num_buckets, H) with H = {H} "
+                         f"heads of `q`, got {tuple(table.shape)}")
+    _checks.same_device(fn, "q", q, **{"position_bias.table": table})
 
 
 def _window(fn: str, window) -> tuple:
@@ -375,26 +389,22 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: Union[bool, str] = Fal
     """
     fn = "attention"
     _checks.flag(fn, "return_lse", return_lse)
-    if position_bias is not None and not isinstance(position_bias, RelativePositionBias):
-        raise TypeError(f"{fn}: `position_bias` must be a ff.RelativePositionBias, got "
-                        f"{type(position_bias).__name__} (pass a materialized bias as a float "
-                        "`attn_mask`)")
     left, right = _window(fn, window)
     o = AttentionOptions(causal=causal_mode(fn, causal), scale=scale, dropout_p=dropout_p,
                          attn_mask=attn_mask, key_padding_mask=key_padding_mask,
                          window_left=left, window_right=right, softcap=_softcap(fn, softcap),
-                         alibi_slopes=alibi_slopes, sinks=sinks,
-                         bias_table=None if position_bias is None else position_bias.table)
+                         alibi_slopes=alibi_slopes, sinks=sinks)
     _check(fn, q, k, v, o)
+    _check_position_bias(fn, q, position_bias)
     out, lse = run(q, k, v, o, position_bias)
     return (out, lse) if return_lse else out
 
 
 def run(q: Tensor, k: Tensor, v: Tensor, o: AttentionOptions,
         position_bias: Optional[RelativePositionBias] = None):
-    """Validated inputs -> (out, lse): the dropout stream drawn, the sinks and the bias table
-    in the accumulation dtype (fp32; fp64 for fp64: a differentiable cast of (H,) /
-    (num_buckets, H) tensors), the T5 buckets, then the op."""
+    """Validated inputs -> (out, lse): the dropout stream drawn, the sinks and the relative
+    bias in the accumulation dtype (fp32; fp64 for fp64), the latter gathered from the T5
+    table (differentiable casts and gathers of (H,) / (H, Lq + Lk - 1) tensors), then the op."""
     if o.dropout_p > 0:
         o.rng_state = draw_rng_state()
     acc = ref.acc_dtype(q.dtype)
@@ -402,9 +412,8 @@ def run(q: Tensor, k: Tensor, v: Tensor, o: AttentionOptions,
         o.sinks = o.sinks.to(acc)
     if position_bias is not None:
         Lq, Lk = q.shape[2], k.shape[2]
-        o.bias_buckets = position_bias.buckets(Lq, Lk, ref.diagonal_offset(Lq, Lk, o.causal))
-        if o.bias_table.dtype != acc:
-            o.bias_table = o.bias_table.to(acc)
+        rel = position_bias.rel_bias(Lq, Lk, ref.diagonal_offset(Lq, Lk, o.causal))
+        o.rel_bias = rel.to(acc).contiguous()
     return ATTENTION((q, k, v), o)
 
 

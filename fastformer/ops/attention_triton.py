@@ -6,8 +6,8 @@ the call's AttentionOptions ``o`` (reference/attention.py is the semantics of ev
 attn_mask None or a bool / float tensor in its own shape, broadcastable to (B, H, Lq, Lk)
 (expanded here as a view: stride 0 on broadcast dims); key_padding_mask None or bool (B, Lk);
 causal 0/1/2; window_left / window_right (-1: no limit); softcap (0: off); alibi_slopes None
-or fp32 (H,) / (B, H); sinks None or fp32 (H,); bias_table None or fp32 (num_buckets, H) with
-bias_buckets int32 (Lq + Lk - 1,); rng_state None or an int64 CPU tensor [seed, offset].
+or fp32 (H,) / (B, H); sinks None or fp32 (H,); rel_bias None or fp32 (H, Lq + Lk - 1); rng_state
+None or an int64 CPU tensor [seed, offset].
 """
 from __future__ import annotations
 
@@ -65,26 +65,27 @@ def _band(Lq: int, Lk: int, o):
 
 def _variant_args(q: Tensor, Lk: int, o):
     """The score-variant arguments every kernel takes: (pointers, strides, scalars, flags) =
-    ((alibi, table, buckets), (alibi b, h; table bucket, head), (left, right, qk_scale,
-    softcap_in), constexprs). q stands in for absent tensors (never read)."""
+    ((alibi, rel_bias), (alibi b, h; rel_bias head), (left, right, qk_scale, softcap_in),
+    constexprs). q stands in for absent tensors (never read)."""
     Lq, D = q.shape[2], q.shape[3]
     scale, cap = o.scale_for(D), float(o.softcap)
     left, right, has_left, has_right = _band(Lq, Lk, o)
-    slopes, table, buckets = o.alibi_slopes, o.bias_table, o.bias_buckets
+    slopes, rel = o.alibi_slopes, o.rel_bias
     if slopes is None:
         slopes, slope_strides = q, (0, 0)
     else:
         slope_strides = (0, slopes.stride(0)) if slopes.dim() == 1 else slopes.stride()
-    if table is None:
-        table, buckets, table_strides = q, q, (0, 0)
+    if rel is None:
+        rel, rel_stride = q, 0
     else:
-        table_strides, buckets = table.stride(), buckets.contiguous()
+        rel = rel.contiguous()  # (H, Lq + Lk - 1): ours is (a permuted gather, no copy below)
+        rel_stride = rel.stride(0)
     qk_scale = (cap if cap > 0 else scale) * _LOG2E
     softcap_in = scale / cap if cap > 0 else 0.0
     flags = dict(BOTTOM_RIGHT=o.causal == 2, WINDOW_LEFT=has_left, WINDOW_RIGHT=has_right,
                  SOFTCAP=cap > 0, ALIBI=o.alibi_slopes is not None,
-                 TABLE=o.bias_table is not None)
-    return ((slopes, table, buckets), (*slope_strides, *table_strides),
+                 TABLE=o.rel_bias is not None)
+    return ((slopes, rel), (*slope_strides, rel_stride),
             (left, right, float(qk_scale), float(softcap_in)), flags)
 
 
@@ -135,9 +136,9 @@ def _mask_grad_buffer(o, B: int, H: int, Lq: int, Lk: int):
 
 def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, o,
                   needs=None):
-    """Returns (dq, dk, dv, d attn_mask, d sinks, d bias_table) in the inputs' dtypes; dk, dv
+    """Returns (dq, dk, dv, d attn_mask, d sinks, d rel_bias) in the inputs' dtypes; dk, dv
     summed over each kv head's group; an option's gradient is None when the option is absent
-    (or a bool mask) or `needs` (q, k, v, attn_mask, sinks, bias_table flags; None: all) does
+    (or a bool mask) or `needs` (q, k, v, attn_mask, sinks, rel_bias flags; None: all) does
     not ask for it. d attn_mask has the mask's own shape (dS summed over its broadcast dims);
     d sinks comes from the saved lse and delta: -sum_(b, i) exp(sink_h - lse) * delta."""
     from ..triton_kernels import attention as tk
@@ -147,7 +148,7 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     needs = (True,) * 6 if needs is None else tuple(needs)
     want_mask = (needs[3] and o.attn_mask is not None and o.attn_mask.dtype != torch.bool)
     want_sinks = needs[4] and o.sinks is not None
-    want_table = needs[5] and o.bias_table is not None
+    want_table = needs[5] and o.rel_bias is not None
     dout = rowwise(dout)  # autograd may hand over an expanded (stride-0) grad
     lse = lse.contiguous()  # ours: already contiguous (no copy)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
@@ -157,12 +158,12 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         dmask, dmask_view, mask_grad = None, q, tk.GRAD_NONE
     dtable = None
     if want_table:
-        dtable = torch.zeros(o.bias_table.shape[0], H, dtype=torch.float32, device=q.device)
+        dtable = torch.zeros(H, Lq + Lk - 1, dtype=torch.float32, device=q.device)
     if q.numel() == 0 or k.numel() == 0:  # no score at all: every gradient is zero
         d_sinks = torch.zeros_like(o.sinks) if want_sinks else None
         return (dq.zero_(), dk.zero_(), dv.zero_(), dmask if dmask is None else
                 dmask.to(o.attn_mask.dtype), d_sinks,
-                dtable if dtable is None else dtable.to(o.bias_table.dtype))
+                dtable if dtable is None else dtable.to(o.rel_bias.dtype))
     mask, mask_strides, kpm, kpm_strides, mask_kind, has_kpm = _mask_args(q, Lk, o)
     ptrs, var_strides, scalars, flags = _variant_args(q, Lk, o)
     block_d = triton.next_power_of_2(D)
@@ -196,5 +197,5 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     if want_sinks:
         p_sink = torch.exp(o.sinks.to(torch.float32)[None, :, None] - lse)  # 0 where lse = inf
         d_sinks = (-(p_sink * delta).sum((0, 2))).to(o.sinks.dtype)
-    d_table = None if dtable is None else dtable.to(o.bias_table.dtype)
+    d_table = None if dtable is None else dtable.to(o.rel_bias.dtype)
     return dq, dk, dv, d_mask, d_sinks, d_table

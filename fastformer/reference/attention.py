@@ -6,8 +6,8 @@ Conventions shared by every backend (the kernels' header comments derive the sam
   h // (H // Hkv) (GQA/MQA). d = Lk - Lq for causal 2 (bottom-right), else 0: the diagonal
   the causal cut, the window and ALiBi are aligned to.
 * Scores, natural units: s_ij = scale * q_i . k_j; with softcap c, s = c * tanh(s / c); then
-  the additive biases: ALiBi -slope_h * |i + d - j|, the relative-position table
-  table[bucket(j - i), h], the float attn_mask. A key is excluded when the bool attn_mask is
+  the additive biases: ALiBi -slope_h * |i + d - j|, the relative-position bias
+  rel_bias[h, j - i + Lq - 1] (T5's: table[bucket(j - i - d), h]), the float attn_mask. A key is excluded when the bool attn_mask is
   False, the key_padding_mask is True, causality forbids it (j > i + d), or it is outside the
   window (j < i + d - left, j > i + d + right; -1: no limit on that side).
 * lse_i = log(sum_j exp(s_ij) over allowed keys [+ exp(sink_h)]) (natural log), saved in fp32; a
@@ -17,7 +17,7 @@ Conventions shared by every backend (the kernels' header comments derive the sam
   and adds no value.
 * Backward: dP' = dO v^T (* keep / (1 - p)), delta_i = sum_d dO_id * out_id,
   dS = P * (dP' - delta) (the gradient of s, so of every additive bias: d attn_mask is dS summed
-  over the mask's broadcast dims, d table[b, h] the sum of dS over the pairs in bucket b),
+  over the mask's broadcast dims, d rel_bias[h, r] the sum of dS over the pairs with j - i + Lq - 1 = r),
   d sink_h = -sum_(b, i) exp(sink_h - lse_bhi) * delta_bhi; softcap: dS *= 1 - tanh^2;
   dq = scale * dS k, dk = scale * dS^T q, dv = P'^T dO (dk, dv summed over the query heads of a
   kv head).
@@ -96,6 +96,12 @@ def t5_buckets(relative_position: Tensor, bidirectional: bool, num_buckets: int,
     return buckets + torch.where(is_small, relative_position, large)
 
 
+def _rel_index(Lq: int, Lk: int, device) -> Tensor:
+    """(Lq, Lk): the index j - i + Lq - 1 into a relative-position bias vector."""
+    return (torch.arange(Lk, device=device)[None, :] - torch.arange(Lq, device=device)[:, None]
+            + (Lq - 1))
+
+
 def _expand_kv(t: Tensor, H: int) -> Tensor:
     groups = H // t.shape[1]
     return t if groups == 1 else t.repeat_interleave(groups, dim=1)
@@ -132,10 +138,8 @@ def _scores(q: Tensor, k: Tensor, o):
         slopes = o.alibi_slopes.to(acc)
         slopes = slopes[None, :, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
         s = s - slopes * dist
-    if o.bias_table is not None:
-        rel = torch.arange(Lk, device=q.device)[None, :] - torch.arange(Lq, device=q.device)[:, None]
-        bucket = o.bias_buckets.long()[rel + Lq - 1]                       # (Lq, Lk)
-        s = s + o.bias_table.to(acc)[bucket].permute(2, 0, 1)[None]       # (1, H, Lq, Lk)
+    if o.rel_bias is not None:
+        s = s + o.rel_bias.to(acc)[:, _rel_index(Lq, Lk, q.device)][None]  # (1, H, Lq, Lk)
     attn_mask = o.attn_mask
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         s = s + attn_mask.to(acc)
@@ -176,7 +180,7 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, o):
 
 
 def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, o):
-    """Returns (dq, dk, dv, d attn_mask, d sinks, d bias_table) in the inputs' dtypes, None for
+    """Returns (dq, dk, dv, d attn_mask, d sinks, d rel_bias) in the inputs' dtypes, None for
     the options that are absent or have no gradient. Recomputes P (the saved lse is not needed
     by the reference, which recomputes it too; it is part of the interface of the kernels)."""
     H, Hkv, D = q.shape[1], k.shape[1], q.shape[3]
@@ -197,14 +201,12 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     if o.sinks is not None:
         p_sink = torch.exp(o.sinks.to(acc)[None, :, None] - lse_acc)
         d_sinks = -(p_sink * delta[..., 0]).sum((0, 2)).to(o.sinks.dtype)
-    if o.bias_table is not None:
+    if o.rel_bias is not None:
         Lq, Lk = q.shape[2], k.shape[2]
-        rel = torch.arange(Lk, device=q.device)[None, :] - torch.arange(Lq, device=q.device)[:, None]
-        bucket = o.bias_buckets.long()[rel + Lq - 1].reshape(-1)
         per_pair = ds.sum(0).reshape(H, -1)                                  # (H, Lq * Lk)
-        d_table = torch.zeros(H, o.bias_table.shape[0], dtype=acc, device=q.device)
-        d_table.index_add_(1, bucket, per_pair)
-        d_table = d_table.t().to(o.bias_table.dtype)
+        d_table = torch.zeros(H, Lq + Lk - 1, dtype=acc, device=q.device)
+        d_table.index_add_(1, _rel_index(Lq, Lk, q.device).reshape(-1), per_pair)
+        d_table = d_table.to(o.rel_bias.dtype)
     if tanh is not None:
         ds = ds * (1 - tanh * tanh)
     scale = o.scale_for(D)
