@@ -11,6 +11,11 @@ softcap, ALiBi and sinks at (1, 8, 2048, 64) against the same call without the o
 T5 attention math with its materialized (1, H, L, L) bias ("eager"). FLOPs of a window case:
 the band's pairs only.
 
+Varlen case: 16 causal sequences with lengths drawn from 64..2048 (fixed seed), 8 heads, head dim
+64, packed (ff.varlen_attention, no padding) against the same batch padded to the longest with
+its (B, 1, L, L) causal-and-padding mask, through SDPA ("sdpa") and through ff.attention with
+causal=True and a key padding mask ("ours_padded"). FLOPs: the sequences' own causal pairs.
+
 Baselines that would take longer than BUDGET_S per call are skipped with their estimate: torch's
 bf16 matmul runs at ~1 GFLOP/s on CPUs without AVX512-BF16/AMX (AVX2-only ones), so eager
 bf16 at L = 4096 would take minutes per call. Estimates come from each candidate's throughput on a
@@ -100,11 +105,15 @@ def cases(device: str, dtypes: list, quick: bool = False):
                            mode=mode, device=device)
         yield dict(variant="t5", shape=T5_SHAPE, dtype=dtype, causal=False, mode="fwd+bwd",
                    device=device)
+        yield dict(variant="varlen", shape=VARLEN_SHAPE, dtype=dtype, causal=True, mode="fwd+bwd",
+                   device=device)
 
 
 def case_name(c: dict) -> str:
     """The row's case name, known before build() allocates anything (single_call filters on it)."""
     B, H, L, D = c["shape"]
+    if c.get("variant") == "varlen":
+        return f"varlen {B} seqs {VARLEN_MIN}..{L} H={H} D={D} causal"
     variant = {"window": f" window {WINDOW}", "softcap": f" softcap {SOFTCAP}", "alibi": " alibi",
                "sinks": " sinks", "t5": " T5 bias"}.get(c.get("variant"), "")
     return f"({B}, {H}, {L}, {D}){' causal' if c['causal'] else ''}{variant}"
@@ -113,6 +122,45 @@ def case_name(c: dict) -> str:
 WINDOW_SHAPE, WINDOW = (1, 8, 8192, 64), (512, 0)
 OPTION_SHAPE, SOFTCAP = (1, 8, 2048, 64), 30.0
 T5_SHAPE, T5_BUCKETS = (8, 8, 512, 64), 32
+VARLEN_SHAPE, VARLEN_MIN = (16, 8, 2048, 64), 64  # sequences, heads, longest allowed, head dim
+
+
+def _build_varlen(c: dict):
+    S, H, L_max, D = c["shape"]
+    dtype, device = c["dtype"], c["device"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    lens = torch.randint(VARLEN_MIN, L_max + 1, (S,), generator=g).tolist()
+    T, L = sum(lens), max(lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    packed = [torch.randn(T, H, D, generator=g).to(device=device, dtype=dtype) for _ in range(4)]
+    padded = [torch.zeros(S, H, L, D, device=device, dtype=dtype) for _ in range(4)]
+    for s in range(S):
+        for p, t in zip(padded, packed):
+            p[s, :, :lens[s]] = t[cu[s]:cu[s + 1]].transpose(0, 1)
+    for t in packed[:3] + padded[:3]:
+        t.requires_grad_()
+    valid = torch.arange(L, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]  # (S, L)
+    i, j = torch.arange(L, device=device)[:, None], torch.arange(L, device=device)[None, :]
+    mask = (j <= i)[None, None] & valid[:, None, None, :]
+
+    def grads(fn, inputs):
+        q, k, v, go = inputs
+        return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), go)
+    ours = lambda q, k, v: ff.varlen_attention(q, k, v, cu, cu, L, L, causal=True)  # noqa: E731
+    fns = {"ours": grads(ours, packed),
+           "sdpa": grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), padded),
+           "ours_padded": grads(lambda q, k, v: ff.attention(q, k, v, causal=True, key_padding_mask=~valid), padded)}
+    pairs = sum(n * (n + 1) // 2 for n in lens)
+
+    def error():
+        with torch.no_grad():
+            q, k, v = (t.detach() for t in packed[:3])
+            with ff.use_backend("reference"):
+                ref = ours(q.double(), k.double(), v.double())
+            return max_abs_err(ours(q, k, v), ref)
+    row = Row("attention", case_name(c), str(dtype).replace("torch.", ""), c["mode"], {},
+              {"flops": 4 * H * pairs * D * 3.5}, note=f"{T} tokens packed, {S * L} padded")
+    return fns, row, error
 
 
 def _variant_candidates(c: dict, q, k, v):
@@ -176,6 +224,8 @@ def _build_variant(c: dict):
 
 
 def build(c: dict):
+    if c.get("variant") == "varlen":
+        return _build_varlen(c)
     if c.get("variant"):
         return _build_variant(c)
     shape, dtype, causal, mode, device = c["shape"], c["dtype"], c["causal"], c["mode"], c["device"]

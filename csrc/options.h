@@ -30,7 +30,13 @@ namespace fastformer {
   X(double, softcap)                           \
   X(std::optional<at::Tensor>, alibi_slopes)   \
   X(std::optional<at::Tensor>, sinks)          \
-  X(std::optional<at::Tensor>, rel_bias)
+  X(std::optional<at::Tensor>, rel_bias)       \
+  X(std::optional<at::Tensor>, cu_seqlens_q)   \
+  X(std::optional<at::Tensor>, cu_seqlens_k)   \
+  X(int64_t, max_seqlen_q)                     \
+  X(int64_t, max_seqlen_k)                     \
+  X(std::optional<at::Tensor>, seqlens_k)      \
+  X(std::optional<at::Tensor>, block_table)
 
 #define FF_NORM_OPTIONS(X) \
   X(double, eps)           \

@@ -22,11 +22,13 @@ from .ops.ffn import ffn, swiglu_ffn  # noqa: E402
 from .ops.norm import add_layer_norm, layer_norm, rms_norm  # noqa: E402
 from .ops.rotary import apply_rotary  # noqa: E402
 from .ops.sdpa import SDPAError, patch_sdpa, scaled_dot_product_attention  # noqa: E402
+from .ops.varlen import attention_with_kvcache, varlen_attention  # noqa: E402
 
 __all__ = [
     "__version__", "backends", "info", "available_backends", "last_dispatch", "use_backend",
     "add_layer_norm", "layer_norm", "rms_norm", "LayerNorm", "RMSNorm",
-    "attention", "RelativePositionBias", "scaled_dot_product_attention", "patch_sdpa", "SDPAError",
+    "attention", "RelativePositionBias", "scaled_dot_product_attention", "varlen_attention",
+    "attention_with_kvcache", "patch_sdpa", "SDPAError",
     "ffn", "swiglu_ffn", "apply_rotary",
     "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
     "TransformerEncoder", "TransformerDecoder", "Transformer",

@@ -190,6 +190,71 @@ def test_fuzz_attention_options_cpu(c):
     _check_attention_options("cpu", c)
 
 
+# ---- variable lengths --------------------------------------------------------------------------
+@st.composite
+def varlen_case(draw):
+    n = draw(st.integers(1, 5))
+    q_lens = draw(st.lists(st.sampled_from([0, 1, 2, 17, 40, 113]), min_size=n, max_size=n))
+    cross = draw(st.booleans())
+    k_lens = draw(st.lists(st.sampled_from([0, 1, 5, 17, 64]), min_size=n, max_size=n)) if cross else q_lens
+    Hkv = draw(st.sampled_from([1, 2]))
+    option = draw(st.sampled_from([None, "window", "softcap", "alibi", "sinks"]))
+    return dict(q_lens=q_lens, k_lens=k_lens, Hkv=Hkv, H=Hkv * draw(st.sampled_from([1, 2])),
+                D=draw(st.sampled_from([8, 40, 72])), causal=draw(st.booleans()), option=option,
+                dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])), seed=draw(st.integers(0, 2**16)))
+
+
+@fuzz(60)
+@seed(20261202)
+@given(c=varlen_case())
+def test_fuzz_varlen_cpu(c):
+    from test_varlen import _compare_varlen
+    g = torch.Generator().manual_seed(c["seed"])
+    kw = {"window": dict(window=(3, 1)), "softcap": dict(softcap=2.5),
+          "alibi": dict(alibi=torch.rand(len(c["q_lens"]), c["H"], generator=g)),
+          "sinks": dict(sinks=torch.randn(c["H"], generator=g)), None: {}}[c["option"]]
+    _compare_varlen("cpu", c["q_lens"], c["k_lens"], c["H"], c["Hkv"], c["D"], c["dtype"],
+                    causal=c["causal"], seed=c["seed"], **kw)
+
+
+@st.composite
+def kvcache_case(draw):
+    B = draw(st.integers(1, 3))
+    Lq = draw(st.sampled_from([1, 1, 3, 16, 17]))
+    lens = draw(st.lists(st.integers(0, 90), min_size=B, max_size=B))
+    return dict(B=B, Lq=Lq, lens=lens, Hkv=draw(st.sampled_from([1, 2])), G=draw(st.sampled_from([1, 4, 8])),
+                D=draw(st.sampled_from([16, 80, 128])), paged=draw(st.booleans()), append=draw(st.booleans()),
+                causal=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+
+
+@fuzz(60)
+@seed(20261203)
+@given(c=kvcache_case())
+def test_fuzz_kvcache_cpu(c):
+    from test_varlen import _cache_case, _cache_oracle, _paged
+    B, Lq, H, Hkv, D = c["B"], c["Lq"], c["Hkv"] * c["G"], c["Hkv"], c["D"]
+    q, k_cache, v_cache, k_new, v_new, seqlens = _cache_case(B, H, Hkv, Lq, D, c["lens"], 112, torch.float32,
+                                                             c["seed"])
+    if c["append"]:
+        expect_k, expect_v = k_cache.clone(), v_cache.clone()
+        for b, n in enumerate(c["lens"]):
+            expect_k[b, :, n:n + Lq], expect_v[b, :, n:n + Lq] = k_new[b], v_new[b]
+        total = seqlens + Lq
+    else:
+        k_new = v_new = None
+        expect_k, expect_v, total = k_cache, v_cache, seqlens
+    kc, vc, table = k_cache, v_cache, None
+    if c["paged"]:
+        kc, table = _paged(k_cache, 16, c["seed"])
+        vc, _ = _paged(v_cache, 16, c["seed"])
+    with ff.use_backend("cpu"):
+        out = ff.attention_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=seqlens, block_table=table,
+                                        causal=c["causal"])
+    ref = _cache_oracle(q, expect_k, expect_v, total, torch.float64, causal=c["causal"])
+    # rows that see no key (an empty cache, or causal queries before the first key) are 0
+    check("out", out, ref.nan_to_num(0.0).float(), atol=1e-5, rtol=1e-5)
+
+
 # ---- add + norm --------------------------------------------------------------------------------
 @st.composite
 def norm_case(draw):

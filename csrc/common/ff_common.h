@@ -18,4 +18,6 @@ namespace fastformer {
 // between fastformer/_C bindings and the kernels; keep it stable.
 enum class DType : int32_t { f32 = 0, f16 = 1, bf16 = 2, f64 = 3 };
 
+inline int64_t dtype_size(DType t) { return t == DType::f64 ? 8 : t == DType::f32 ? 4 : 2; }
+
 }  // namespace fastformer

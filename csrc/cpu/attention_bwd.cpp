@@ -357,7 +357,7 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t) {
     gemms.head_done();
     A* const dq = c.task_owns_dq ? dq_own : c.dq_part + (t.chunk * sh.B * sh.H + b * sh.H + h) * c.dq_head;
     if (c.task_owns_dq) std::fill(dq, dq + sh.Lq * sh.D_pad, A(0));  // rows < Lq are used
-    const A* lse_h = c.lse + (b * sh.H + h) * sh.Lq;
+    const A* lse_h = c.lse + b * a.lse_s[0] + h * a.lse_s[1];
     if (a.dsinks && t.chunk == 0) {
       // d sink = -sum_i p_sink,i delta_i, p_sink = exp(sink - lse): once per (b, h).
       const A sink = static_cast<const A*>(a.sinks)[h];
@@ -459,6 +459,18 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t) {
 template <typename T>
 void attention_bwd_typed(const AttnArgs& a) {
   using A = acc_t<T>;
+  if (a.cu_q) {  // one call per sequence; the gradients of rows that see nothing are 0
+    for (const AttnArgs& s : split_sequences(a)) {
+      if (s.Lq > 0 && s.Lk > 0) {
+        attention_bwd_typed<T>(s);
+        continue;
+      }
+      zero_rows<T>(s.dq, s.H, s.Lq, s.D);
+      zero_rows<T>(s.dk, s.Hkv, s.Lk, s.D);
+      zero_rows<T>(s.dv, s.Hkv, s.Lk, s.Dv);
+    }
+    return;
+  }
   const BwdCall<T> c(a);
   const Shape<A>& sh = c.sh;
   // bf16 on AMX: all five GEMMs on the tiles (AmxGrads); else the fp32 micro-kernel.

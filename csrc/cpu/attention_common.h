@@ -8,6 +8,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "common/online_softmax.h"
 #include "common/philox.h"
@@ -157,6 +158,15 @@ struct Shape {
 template <typename T>
 inline const T* row_ptr(const View4& v, int64_t b, int64_t h, int64_t l) {
   return static_cast<const T*>(v.ptr) + b * v.s[0] + h * v.s[1] + l * v.s[2];
+}
+
+// Row j of kv head (b, h) of the keys or values: through the block table of a paged cache
+// (AttnArgs::block_table), else the view's row.
+template <typename T>
+inline const T* kv_row(const AttnArgs& a, const View4& v, int64_t b, int64_t h, int64_t j) {
+  if (!a.block_table) return row_ptr<T>(v, b, h, j);
+  const int64_t block = a.block_table[b * a.bt_stride + j / a.block_size];
+  return static_cast<const T*>(v.ptr) + block * v.s[0] + h * v.s[1] + (j % a.block_size) * v.s[2];
 }
 
 // Converts n elements of a row into the accumulation type, zero-filling [n, n_pad).
@@ -372,13 +382,14 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t
     A* k_row = k_rows + j * sh.D_pad;
     A* v_row = v_rows + j * sh.Dv_pad;
     if (j < n_keys) {
-      if (k_fp32) load_row(row_ptr<T>(a.k, b, h, k0 + j), sh.D, sh.D_pad, k_row);
-      if (v_fp32) load_row(row_ptr<T>(a.v, b, h, k0 + j), sh.Dv, sh.Dv_pad, v_row);
+      if (k_fp32) load_row(kv_row<T>(a, a.k, b, h, k0 + j), sh.D, sh.D_pad, k_row);
+      if (v_fp32) load_row(kv_row<T>(a, a.v, b, h, k0 + j), sh.Dv, sh.Dv_pad, v_row);
     } else {
       if (k_fp32) std::fill(k_row, k_row + sh.D_pad, A(0));
       if (v_fp32) std::fill(v_row, v_row + sh.Dv_pad, A(0));
     }
   }
+  TORCH_INTERNAL_ASSERT(!a.block_table || !(pk.kw || pk.vw || pk.vpw || pk.kpw), "paged caches take the fp32 path");
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     // AMX pair words from the bf16 rows themselves (zero rows past the block's keys).
     auto stage = [&](const View4& view, int64_t n, int64_t n_amx) {
@@ -723,6 +734,96 @@ inline void drop_row(const AttnArgs& a, A* p, int64_t b, int64_t h, int64_t qi, 
   philox_words(base, a.seed, n_keys, words);
   for (int64_t j = 0; j < n_keys; ++j) p[j] = words[j] < threshold ? A(0) : p[j];  // branch-free
 }
+
+// A view moved by `rows` rows (dim 2) and `batches` batch rows (dim 0); elements of `elem` bytes.
+inline View4 shifted(View4 v, int64_t batches, int64_t rows, int64_t elem) {
+  if (v.ptr) v.ptr = static_cast<const char*>(v.ptr) + (batches * v.s[0] + rows * v.s[2]) * elem;
+  return v;
+}
+
+// The calls of a packed call (cu_q / cu_k: sequence s) or a KV-cache call (k_lens: batch row
+// s), one per sequence, B = 1: lengths, views, lse, slopes and the dropout stream moved to the
+// sequence (stream offsets: the sum of the earlier sequences' H * Lq * Lk, as
+// reference/varlen.py).
+inline std::vector<AttnArgs> split_sequences(const AttnArgs& a) {
+  const int64_t S = a.cu_q ? a.n_seqs : a.B;
+  const int64_t elem = dtype_size(a.dtype), acc = a.dtype == DType::f64 ? 8 : 4;
+  std::vector<AttnArgs> out;
+  out.reserve(S);
+  uint64_t stream = a.offset;
+  for (int64_t s = 0; s < S; ++s) {
+    AttnArgs e = a;
+    e.cu_q = e.cu_k = e.k_lens = nullptr;
+    e.n_seqs = 0;
+    e.B = 1;
+    int64_t qb = s, qr = 0, kb = s, kr = 0;  // batch rows and rows moved
+    if (a.cu_q) {
+      qb = kb = 0;
+      qr = a.cu_q[s];
+      kr = a.cu_k[s];
+      e.Lq = a.cu_q[s + 1] - qr;
+      e.Lk = a.cu_k[s + 1] - kr;
+      if (e.dsinks) e.dsinks = static_cast<char*>(e.dsinks) + s * a.H * acc;  // (S, H) parts
+    } else {
+      e.Lk = a.k_lens[s];
+      if (a.block_table) {  // the pages stay where they are; the row's table moves
+        kb = 0;
+        e.block_table += s * a.bt_stride;
+      }
+      if (e.key_padding_mask) e.key_padding_mask += s * a.kpm_s[0];
+      e.attn_mask = shifted(e.attn_mask, s, 0, e.mask_is_bool ? 1 : dtype_size(e.mask_dtype));
+    }
+    for (View4* v : {&e.q, &e.out, &e.dout, &e.dq}) *v = shifted(*v, qb, qr, elem);
+    for (View4* v : {&e.k, &e.v, &e.dk, &e.dv}) *v = shifted(*v, kb, kr, elem);
+    if (e.lse) e.lse = static_cast<char*>(e.lse) + (qb * a.lse_s[0] + qr) * acc;
+    if (e.alibi_slopes) e.alibi_slopes += s * a.alibi_s[0];
+    e.offset = stream;
+    stream += static_cast<uint64_t>(a.H * e.Lq * e.Lk);
+    out.push_back(e);
+  }
+  return out;
+}
+
+// The keys and values of a B = 1 paged call copied out of their pages into `buf` as
+// (Hkv, Lk, D) and (Hkv, Lk, Dv): the layout the flash kernels read (their AMX path stages
+// bf16 rows straight from the views). O(Lk * D), beside the call's O(Lq * Lk * D).
+template <typename T>
+AttnArgs gather_pages(AttnArgs s, std::vector<T>& buf) {
+  buf.resize(s.Hkv * s.Lk * (s.D + s.Dv));
+  T* const keys = buf.data();
+  T* const values = keys + s.Hkv * s.Lk * s.D;
+  for (int64_t h = 0; h < s.Hkv; ++h)
+    for (int64_t j = 0; j < s.Lk; ++j) {
+      const T* k_row = kv_row<T>(s, s.k, 0, h, j);
+      const T* v_row = kv_row<T>(s, s.v, 0, h, j);
+      std::copy(k_row, k_row + s.D, keys + (h * s.Lk + j) * s.D);
+      std::copy(v_row, v_row + s.Dv, values + (h * s.Lk + j) * s.Dv);
+    }
+  s.k = View4{keys, {s.Hkv * s.Lk * s.D, s.Lk * s.D, s.D, 1}};
+  s.v = View4{values, {s.Hkv * s.Lk * s.Dv, s.Lk * s.Dv, s.Dv, 1}};
+  s.block_table = nullptr;
+  return s;
+}
+
+// Zeroes rows [0, L) of heads [0, H) of a B = 1 view, n elements each (sequences without keys
+// or without queries).
+template <typename T>
+void zero_rows(const View4& v, int64_t H, int64_t L, int64_t n) {
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t l = 0; l < L; ++l) {
+      T* row = const_cast<T*>(row_ptr<T>(v, 0, h, l));
+      std::fill(row, row + n, T(0));
+    }
+}
+
+// Whether the forward of a call is decoding (attention_decode.cpp): few queries per kv head
+// (a tile's rows: every query of the kv head's query heads, up to one 144-row block), no dropout
+// and one sequence per batch row.
+inline bool decodes(const AttnArgs& a) {
+  const int64_t G = a.Hkv > 0 ? a.H / a.Hkv : 1;
+  return a.Lq <= 16 && G * a.Lq <= kBlockQ && a.dropout_p == 0.0 && !a.cu_q && a.Lk > 0;
+}
+void attention_decode(const AttnArgs& args);
 
 // Runs task(t) for t in [0, n) on all threads, handing out tasks one at a time: causal tiles
 // differ in cost, and a static split would leave one core idle (or wait on a busy core).

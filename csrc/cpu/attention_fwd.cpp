@@ -193,7 +193,7 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
     int64_t d = 0;
     for (; d + V::size() <= sh.Dv; d += V::size()) store_acc(out_i + d, V::loadu(acc_i + d) * inv);
     if (d < sh.Dv) store_acc(out_i + d, V::loadu(acc_i + d) * inv, sh.Dv - d);
-    c.lse[(b * sh.H + h) * sh.Lq + q0 + i] = softmax_lse_log2(row_max[i], row_sum[i]);
+    c.lse[b * a.lse_s[0] + h * a.lse_s[1] + q0 + i] = softmax_lse_log2(row_max[i], row_sum[i]);
   }
 }
 
@@ -235,6 +235,22 @@ void run_tasks(const FwdCall<T>& c, bool amx) {
 
 template <typename T>
 void attention_fwd_typed(const AttnArgs& a) {
+  if (decodes(a)) return attention_decode(a);
+  if (a.cu_q || a.k_lens) {  // one call per sequence; rows without keys: out 0, lse +inf
+    std::vector<T> pages;
+    for (const AttnArgs& s : split_sequences(a)) {
+      if (s.Lq > 0 && s.Lk > 0 && s.block_table && !decodes(s)) {
+        attention_fwd_typed<T>(gather_pages<T>(s, pages));
+      } else if (s.Lq > 0 && s.Lk == 0) {
+        zero_rows<T>(s.out, s.H, s.Lq, s.Dv);
+        for (int64_t h = 0; h < s.H; ++h)
+          std::fill_n(static_cast<acc_t<T>*>(s.lse) + h * s.lse_s[1], s.Lq, std::numeric_limits<acc_t<T>>::infinity());
+      } else if (s.Lq > 0) {
+        attention_fwd_typed<T>(s);
+      }
+    }
+    return;
+  }
   const FwdCall<T> c(a);
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (use_amx_bf16()) return run_tasks<T, AmxGemms<T>>(c, true);

@@ -101,6 +101,20 @@ struct AttnArgs {
   const void* sinks = nullptr;       // (H,) in the accumulation type: a logit per head
   const void* rel_bias = nullptr;    // (H, Lq + Lk - 1 + 64) accumulation type, contiguous: the
                                      //   bias of key j for query i at [h, j - i + Lq - 1]
+  // Variable lengths (fastformer/ops/varlen.py; the kernels split such a call into one call
+  // per sequence, attention_common.h's split_sequences, or decode it, attention_decode.cpp):
+  //   packed: B = 1, the views (1, H, total, D); sequence s is rows cu_q[s] .. cu_q[s + 1] of q
+  //   and cu_k[s] .. cu_k[s + 1] of k / v (n_seqs of them; ALiBi slopes (S, H): row s);
+  //   a KV cache: batch row b's keys are rows 0 .. k_lens[b] (the band's d: k_lens[b] - Lq);
+  //   paged: k, v are (blocks, Hkv, block_size, D), key j of row b in block
+  //   block_table[b * bt_stride + j / block_size] (the decode kernel reads them; the bindings
+  //   gather pages for other calls).
+  const int32_t* cu_q = nullptr;
+  const int32_t* cu_k = nullptr;
+  int64_t n_seqs = 0;
+  const int32_t* k_lens = nullptr;
+  const int32_t* block_table = nullptr;
+  int64_t bt_stride = 0, block_size = 0;
   // backward outputs of the differentiable options (accumulation type; null: not needed)
   void* dmask = nullptr;             // d attn_mask, zeroed by the caller, the mask's own shape as
   int64_t dmask_s[4] = {0, 0, 0, 0}; //   (B, H, Lq, Lk) strides with 0 on broadcast dims (summed)
@@ -108,7 +122,8 @@ struct AttnArgs {
   void* drel = nullptr;              // d rel_bias, rel_bias's layout
   // forward outputs / backward inputs
   View4 out;                         // (B, H, Lq, Dv)
-  void* lse = nullptr;               // (B, H, Lq) contiguous, f32 (f64 for f64 inputs)
+  void* lse = nullptr;               // (B, H, Lq): row (b, h, i) at b * lse_s[0] + h * lse_s[1] + i,
+  int64_t lse_s[2] = {0, 0};         //   f32 (f64 for f64 inputs)
   // backward only
   View4 dout;                        // (B, H, Lq, Dv)
   View4 dq, dk, dv;                  // outputs, same shapes as q, k, v

@@ -68,6 +68,19 @@ enum class Scratch : int {
   kBwdDktAcc,          // AMX: dK^T, dV^T accumulators
   kBwdDvtAcc,
 
+  // attention decoding (attention_decode.cpp)
+  kDecQStage,
+  kDecQPanels,
+  kDecScores,
+  kDecAcc,
+  kDecBias,
+  kDecRowMax,
+  kDecRowSum,
+  kDecRowMaxParts,     // the key splits' partial results (shared by the tasks)
+  kDecRowSumParts,
+  kDecAccParts,
+  kDecMerged,          // one row merged from its splits
+
   // packed K / V blocks (attention_common.h, Packed and pack_kv_block)
   kPackKt,
   kPackVt,

@@ -70,11 +70,15 @@ import torch
 from torch import Tensor
 
 from ..ops.attention import attention
+from ..ops.varlen import varlen_attention
 
 NAME = "fastformer"
 
 # Set by build_mask() on its (B, Lk) key masks: (window_left, any key is padding).
 _KEY_MASK_TAG = "_fastformer_key_mask"
+# Set by build_mask() on the (1, T) mask of packed sequences: (window_left, cu_seqlens, longest,
+# T).
+_PACKED_TAG = "_fastformer_packed"
 
 
 # ---- the attention function --------------------------------------------------------------------
@@ -90,6 +94,10 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     (output (B, Lq, H, D), None)."""
     B, _, Lq, _ = query.shape
     Lk = key.shape[2]
+    packed = _packed_sequences(attention_mask, kwargs, B, Lq, Lk)
+    if packed is not None:
+        return _varlen_forward(module, query, key, value, packed, dropout, scaling, is_causal,
+                               sliding_window, softcap, s_aux), None
     key_padding_mask = attn_mask = None
     window_left = -1
     if attention_mask is None or attention_mask.dim() == 2:
@@ -127,6 +135,73 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                     softcap=softcap if softcap else None, sinks=s_aux)
     # (B, H, Lq, D) stored as (B, Lq, H, D): the transpose is the contiguous tensor, no copy.
     return out.transpose(1, 2), None
+
+
+def _packed_sequences(attention_mask, kwargs: dict, B: int, Lq: int, Lk: int):
+    """(window_left or None, cu_seqlens_q, cu_seqlens_k, max_q, max_k) of a packed batch of one
+    row: from build_mask's tag (transformers detected packing from position_ids) or from the
+    ``cu_seq_lens_q`` / ``cu_seq_lens_k`` / ``max_length_q`` / ``max_length_k`` keywords
+    (DataCollatorWithFlattening(return_flash_attn_kwargs=True)); None for other calls."""
+    if B != 1:
+        return None
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if cu_q is not None:
+        cu_k = kwargs.get("cu_seq_lens_k", cu_q)
+        if int(cu_q[-1]) != Lq or int(cu_k[-1]) != Lk:
+            return None  # not this call's rows (e.g. decoding after a packed prefill)
+        lengths = lambda cu: int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0  # noqa: E731
+        max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+        return (None, cu_q.to(torch.int32), cu_k.to(torch.int32),
+                lengths(cu_q) if max_q is None else int(max_q),
+                lengths(cu_k) if max_k is None else int(max_k))
+    tag = getattr(attention_mask, _PACKED_TAG, None)
+    if tag is not None and Lq == Lk == tag[3]:
+        left, cu, longest, _ = tag
+        return left, cu, cu, longest, longest
+    # position_ids that restart (FlashAttention 2's contract in transformers: a packed row under
+    # a plain causal mask, e.g. when a cache kept transformers from building the packed mask).
+    positions = kwargs.get("position_ids")
+    key_tag = getattr(attention_mask, _KEY_MASK_TAG, None)
+    if (positions is None or Lq != Lk or Lq < 2 or positions.shape[-1] != Lq
+            or not (attention_mask is None or (key_tag is not None and not key_tag[1]))):
+        return None
+    found = getattr(positions, _PACKED_TAG, None)  # computed once per forward, not per layer
+    if found is None:
+        found = _restarts(positions.reshape(-1)) if positions.dim() <= 2 and positions.numel() == Lq else False
+        setattr(positions, _PACKED_TAG, found)
+    if found is False:
+        return None
+    cu, longest = found
+    return (key_tag[0] if key_tag is not None else None), cu, cu, longest, longest
+
+
+def _restarts(positions: Tensor):
+    """(cu_seqlens, longest) of packed position ids (a sequence starts where the position does
+    not follow the previous one), or False for one sequence."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[1:] = positions[1:] - positions[:-1] != 1
+    first = starts.nonzero().reshape(-1)
+    if first.numel() < 2:
+        return False
+    cu = torch.cat([first, first.new_tensor([positions.numel()])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _varlen_forward(module, query, key, value, packed, dropout, scaling, is_causal,
+                    sliding_window, softcap, s_aux) -> Tensor:
+    """A packed (1, H, T, D) call as ff.varlen_attention over its (T, H, D) rows (views)."""
+    left, cu_q, cu_k, max_q, max_k = packed
+    if left is not None:  # build_mask recognized transformers' causal (sliding) pattern
+        causal = True
+    else:
+        causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+        left = int(sliding_window) - 1 if causal and sliding_window else -1
+    rows = lambda t: t[0].transpose(0, 1)  # noqa: E731
+    out = varlen_attention(rows(query), rows(key), rows(value), cu_q, cu_k, max_q, max_k,
+                           causal=causal, window=(left, -1) if left >= 0 else None,
+                           softcap=softcap if softcap else None, sinks=s_aux, scale=scaling,
+                           dropout_p=float(dropout))
+    return out[None]  # (1, T, H, D)
 
 
 def _as_key_padding(mask: Tensor, B: int, Lk: int) -> Optional[Tensor]:
@@ -184,6 +259,26 @@ def _causal_window(fn: Callable) -> Optional[int]:
     return w - 1
 
 
+def _packed_pattern(fn: Callable):
+    """(left window, sequence ids (B, T)) of transformers' packed-sequence pattern,
+    ``and_masks(remap_positions_for_packed_sequence(f, ...), packed_sequence_mask_function(ids))``
+    with f a plain causal / sliding-window causal pattern; None for anything else."""
+    if getattr(fn, "__qualname__", "") != "and_masks.<locals>.and_mask":
+        return None
+    parts = _closure(fn).get("mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2:
+        return None
+    remapped, packed = parts
+    if (getattr(packed, "__qualname__", "") != "packed_sequence_mask_function.<locals>.inner_mask"
+            or getattr(remapped, "__qualname__", "") != "remap_positions_for_packed_sequence.<locals>.inner_mask"):
+        return None
+    left = _causal_window(_closure(remapped).get("mask_function"))
+    ids = _closure(packed).get("packed_sequence_mask")
+    if left is None or not isinstance(ids, Tensor):
+        return None
+    return left, ids
+
+
 def _tracing() -> bool:
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
@@ -200,6 +295,19 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         mask_function = mu.causal_mask_function
     tracing = _tracing()
     offsets = isinstance(q_offset, int) and isinstance(kv_offset, int)
+    packed = None if tracing else _packed_pattern(mask_function)
+    if (packed is not None and batch_size == 1 and q_length == kv_length and attention_mask is None
+            and offsets and q_offset == kv_offset == 0):
+        # Packed sequences: a (1, T) mask of ones (what FlashAttention 2 would be given) tagged
+        # with the sequences' cu_seqlens (one host sync per forward, not per layer).
+        left, ids = packed
+        lengths = torch.bincount(ids[0].long())
+        lengths = lengths[lengths > 0]
+        cu = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=ids.device)
+        cu[1:] = lengths.cumsum(0)
+        keys = torch.ones(1, kv_length, dtype=torch.bool, device=device)
+        setattr(keys, _PACKED_TAG, (left, cu, int(lengths.max()), kv_length))
+        return keys
     left = _causal_window(mask_function)
     # The kernel's bottom-right causality is the pattern's when the queries are the last keys
     # (query i at absolute position q_offset + i, key j at kv_offset + j).

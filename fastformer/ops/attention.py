@@ -57,6 +57,18 @@ class AttentionOptions(Options):
     rel_bias: Optional[Tensor] = None     # (H, Lq + Lk - 1) accumulation dtype: a bias that
                                           # depends on j - i only, s += rel_bias[h, j - i + Lq - 1]
                                           # (T5's, gathered from its table)
+    # Variable lengths (ops/varlen.py). Packed sequences: q (total_q, H, D), k and v
+    # (total_k, Hkv, D); sequence s is rows cu_seqlens_q[s] .. cu_seqlens_q[s + 1] of q and
+    # cu_seqlens_k[s] .. of k / v (int32), each attended alone; lse is (H, total_q).
+    cu_seqlens_q: Optional[Tensor] = None
+    cu_seqlens_k: Optional[Tensor] = None
+    max_seqlen_q: int = 0                 # the longest sequences (grids; the kernels check)
+    max_seqlen_k: int = 0
+    seqlens_k: Optional[Tensor] = None    # int32 (B,): batch b's keys are rows 0 .. seqlens_k[b]
+                                          # of k / v (a KV cache; d = seqlens_k[b] - Lq)
+    block_table: Optional[Tensor] = None  # int32 (B, max_blocks): k, v paged (blocks, Hkv,
+                                          # block_size, D), key j of batch b in block
+                                          # block_table[b, j // block_size]
 
     differentiable = ("attn_mask", "sinks", "rel_bias")
 
@@ -121,6 +133,8 @@ _CORE = frozenset({"causal", "scale"})
 _MASKS_DROPOUT = frozenset({"dropout_p", "rng_state", "attn_mask", "key_padding_mask"})
 _VARIANTS = frozenset({"window_left", "window_right", "softcap", "alibi_slopes", "sinks",
                        "rel_bias"})
+_LENGTHS = frozenset({"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                      "seqlens_k", "block_table"})
 
 
 def causal_mode(fn: str, causal) -> int:
@@ -159,6 +173,10 @@ def _out_like(q: Tensor, v: Tensor) -> Tensor:
 
 
 def _fake_fwd(q, k, v, o):
+    if o.cu_seqlens_q is not None:  # packed: (total_q, H, Dv) and (H, total_q)
+        T, H, _ = q.shape
+        return (q.new_empty((T, H, v.shape[-1])),
+                q.new_empty((H, T), dtype=ref.acc_dtype(q.dtype)))
     B, H, Lq, _ = q.shape
     return _out_like(q, v), q.new_empty((B, H, Lq), dtype=ref.acc_dtype(q.dtype))
 
@@ -222,11 +240,12 @@ class _Triton(Impl):
 
 @ATTENTION.implementation
 class _Cpu(Impl):
-    """csrc/cpu/attention_*.cpp: every dtype, head dims 1..256, bf16 on AMX tiles."""
+    """csrc/cpu/attention_*.cpp: every dtype, head dims 1..256, bf16 on AMX tiles, packed
+    sequences and KV caches (contiguous or paged; decoding: attention_decode.cpp)."""
 
     backend = "cpu"
     dtypes = ALL_FLOAT
-    options = _CORE | _MASKS_DROPOUT | _VARIANTS
+    options = _CORE | _MASKS_DROPOUT | _VARIANTS | _LENGTHS
     features = frozenset({"gqa", "attn_mask_grad"})
     head_dims = (1, 256)
 

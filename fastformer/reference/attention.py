@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from . import varlen
 from .rng import keep_mask
 
 CAUSAL_NONE, CAUSAL_TOP_LEFT, CAUSAL_BOTTOM_RIGHT = 0, 1, 2
@@ -170,7 +171,11 @@ def _dropout_scale(o, shape, device, dtype):
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, o):
     """o: ops/attention.py's AttentionOptions. Returns (out (B, H, Lq, Dv) in q's dtype,
-    lse (B, H, Lq) fp32 (fp64 for fp64 inputs))."""
+    lse (B, H, Lq) fp32 (fp64 for fp64 inputs)); variable lengths: reference/varlen.py."""
+    if o.cu_seqlens_q is not None:
+        return varlen.varlen_fwd(attention_fwd, q, k, v, o)
+    if o.seqlens_k is not None:
+        return varlen.kvcache_fwd(attention_fwd, q, k, v, o)
     H = q.shape[1]
     p, lse, _ = _probs(q, k, o)
     if o.dropout_p > 0:
@@ -183,6 +188,10 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     """Returns (dq, dk, dv, d attn_mask, d sinks, d rel_bias) in the inputs' dtypes, None for
     the options that are absent or have no gradient. Recomputes P (the saved lse is not needed
     by the reference, which recomputes it too; it is part of the interface of the kernels)."""
+    if o.cu_seqlens_q is not None:
+        return varlen.varlen_bwd(attention_bwd, dout, q, k, v, out, lse, o)
+    if o.seqlens_k is not None:
+        raise NotImplementedError("attention_with_kvcache is forward only")
     H, Hkv, D = q.shape[1], k.shape[1], q.shape[3]
     p, lse_acc, tanh = _probs(q, k, o)
     acc = p.dtype

@@ -1,0 +1,133 @@
+"""Decode suite: attention of a few new queries against a KV cache, and Hugging Face generate.
+
+Kernel cases: one decode step, 32 query / 8 kv heads, head dim 128, a cache of 4096 tokens
+(batch 1 and 8; 4 new queries, as speculative decoding verifies them; a paged cache of 16-token
+blocks in shuffled order). ours = ff.attention_with_kvcache; sdpa = F.scaled_dot_product_attention
+on the same cache with enable_gqa=True (the kv heads not repeated: what transformers' sdpa
+attention calls on torch >= 2.5); eager = transformers' eager attention (repeat_kv, matmul,
+softmax, matmul). Work: the bytes of K and V read (the step is memory-bound), so the table's
+GB/s is the cache read rate.
+
+Generate case (not in --quick): greedy ``model.generate`` of a Llama-style model built from its
+config with random weights (4 layers, d = 1024, 16 query / 4 kv heads, prompt 2048, 128 new
+tokens, batch 1, the dynamic cache), ``attn_implementation="fastformer"`` (ours) against "sdpa";
+the time of one whole generate call (prefill + 128 steps), the ratio is the tokens/s ratio.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import fastformer as ff
+
+from .common import Row, max_abs_err
+
+HEADS, KV_HEADS, HEAD_DIM, CACHE = 32, 8, 128, 4096
+KERNEL_CASES = [  # (batch, new queries, paged)
+    (1, 1, False), (8, 1, False), (1, 4, False), (1, 1, True),
+]
+GENERATE = dict(layers=4, hidden=1024, heads=16, kv_heads=4, prompt=2048, new_tokens=128)
+
+
+def cases(device: str, dtypes: list, quick: bool = False):
+    for B, Lq, paged in (KERNEL_CASES[:1] if quick else KERNEL_CASES):
+        for dtype in dtypes:
+            yield dict(kind="step", B=B, Lq=Lq, paged=paged, dtype=dtype, device=device, mode="fwd")
+    if quick:
+        return
+    for dtype in dtypes:
+        if dtype != torch.float16:
+            yield dict(kind="generate", dtype=dtype, device=device, mode="inference")
+
+
+def case_name(c: dict) -> str:
+    if c["kind"] == "generate":
+        g = GENERATE
+        return f"HF generate Llama {g['layers']}x{g['hidden']} prompt {g['prompt']} +{g['new_tokens']}"
+    paged = " paged" if c["paged"] else ""
+    return f"B={c['B']} q={c['Lq']} {HEADS}/{KV_HEADS} heads D={HEAD_DIM} cache {CACHE}{paged}"
+
+
+def _eager(q, k, v, causal_offset):
+    G = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    Lq, Lk = s.shape[-2:]
+    if Lq > 1:
+        i, j = torch.arange(Lq)[:, None], torch.arange(Lk)[None, :]
+        s = s.masked_fill(j > i + causal_offset, float("-inf"))
+    return torch.matmul(torch.softmax(s, -1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _build_step(c: dict):
+    B, Lq, dtype, device = c["B"], c["Lq"], c["dtype"], c["device"]
+    g = torch.Generator().manual_seed(0)
+    mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    q, k, v = mk(B, HEADS, Lq, HEAD_DIM), mk(B, KV_HEADS, CACHE, HEAD_DIM), mk(B, KV_HEADS, CACHE, HEAD_DIM)
+    lens = torch.full((B,), CACHE - Lq, dtype=torch.int32, device=device)  # + Lq new = CACHE
+    total = lens + Lq
+    mask = None
+    if Lq > 1:  # the new queries see the cache and the new tokens up to themselves
+        i, j = torch.arange(Lq)[:, None], torch.arange(CACHE)[None, :]
+        mask = (j <= i + CACHE - Lq).to(device)
+    kc, vc, table = k, v, None
+    if c["paged"]:
+        n = CACHE // 16
+        order = torch.randperm(B * n, generator=g)
+        table = torch.empty(B * n, dtype=torch.int32)
+        table[order] = torch.arange(B * n, dtype=torch.int32)
+        table = table.reshape(B, n).to(device)
+        kc = k.reshape(B, KV_HEADS, n, 16, HEAD_DIM).transpose(1, 2).reshape(B * n, KV_HEADS, 16, HEAD_DIM)[order].contiguous()
+        vc = v.reshape(B, KV_HEADS, n, 16, HEAD_DIM).transpose(1, 2).reshape(B * n, KV_HEADS, 16, HEAD_DIM)[order].contiguous()
+    fns = {
+        "ours": lambda: ff.attention_with_kvcache(q, kc, vc, cache_seqlens=total, block_table=table),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+        "eager": lambda: _eager(q, k, v, CACHE - Lq),
+    }
+
+    def error():
+        with ff.use_backend("reference"):
+            ref = ff.attention(q.double(), k.double(), v.double(), causal="bottom_right")
+        return max_abs_err(fns["ours"](), ref)
+    work = {"bytes": 2 * B * KV_HEADS * CACHE * HEAD_DIM * q.element_size()}
+    row = Row("decode", case_name(c), str(dtype).replace("torch.", ""), "fwd", {}, work)
+    return fns, row, error
+
+
+def _build_generate(c: dict):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import fastformer.integrations.transformers as ff_hf
+    ff_hf.register()
+    g = GENERATE
+    config = LlamaConfig(vocab_size=32000, hidden_size=g["hidden"], intermediate_size=int(2.75 * g["hidden"]),
+                         num_hidden_layers=g["layers"], num_attention_heads=g["heads"],
+                         num_key_value_heads=g["kv_heads"], max_position_embeddings=4096)
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config).to(c["device"], c["dtype"]).eval()
+    models = {}
+    for name, impl in (("ours", "fastformer"), ("sdpa", "sdpa")):
+        m = LlamaForCausalLM(config).to(c["device"], c["dtype"]).eval()
+        m.load_state_dict(base.state_dict())
+        m.config._attn_implementation = impl
+        models[name] = m
+    del base
+    prompt = torch.randint(0, config.vocab_size, (1, g["prompt"]), generator=torch.Generator().manual_seed(0),
+                           device=c["device"])
+
+    def generate(model):
+        with torch.no_grad():
+            return model.generate(prompt, max_new_tokens=g["new_tokens"], min_new_tokens=g["new_tokens"],
+                                  do_sample=False, pad_token_id=0)
+    fns = {name: (lambda m=m: generate(m)) for name, m in models.items()}
+
+    def error():  # tokens that differ from sdpa's greedy choice (0 when they agree)
+        ours, theirs = fns["ours"](), fns["sdpa"]()
+        return float((ours != theirs).sum())
+    row = Row("decode", case_name(c), str(c["dtype"]).replace("torch.", ""), "inference", {}, {},
+              note="max err column: generated tokens that differ from sdpa's")
+    return fns, row, error
+
+
+def build(c: dict):
+    return _build_generate(c) if c["kind"] == "generate" else _build_step(c)
