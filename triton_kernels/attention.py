@@ -71,7 +71,7 @@ import triton.language as tl
 
 from . import interpreter_mode
 from .attention_options import (band_mask, head_terms, key_blocks, make_band, option_grads,
-                                query_blocks, score_terms)
+                                query_blocks, score_terms, sequence)
 from .common import cast_to
 from .common import dot_operand as _operand  # bf16 tl.dot operands upcast under the interpreter
 
@@ -142,7 +142,11 @@ def _dropout_keep(seed, rng_q, k_idx, drop_threshold):
 # set; win_left, win_right (the band: i + d - win_left <= j <= i + d + win_right, the
 # left side checked iff WINDOW_LEFT, the right one iff WINDOW_RIGHT: 1 at right = 0, 2 at
 # win_right; d = Lk - Lq iff BOTTOM_RIGHT, else 0); qk_scale = scale * log2 e (with
-# softcap: c * log2 e) and softcap_in = scale / c.
+# softcap: c * log2 e) and softcap_in = scale / c; stride_lb, stride_lh: lse's and delta's.
+# PACKED (varlen): q, k, v, out and their grads are (total, H, D) with batch stride 0, the
+# grid's batch index is the sequence s, its rows start at cu_q[s] / cu_k[s] and its lengths
+# replace Lq, Lk (the longest, which size the grid; programs past them exit); lse (H, total_q)
+# has strides (0, total_q). No masks or relative bias then (attention_options.sequence).
 
 # ---- forward ---------------------------------------------------------------------------------
 @triton.jit
@@ -192,21 +196,22 @@ def attn_fwd_kernel(
                 # (True = attend) or float (added); read iff MASK_KIND != 0
     kpm_ptr,    # (B, Lk) bool key_padding_mask, True = padding; read iff HAS_KPM
     alibi_ptr, rel_ptr,  # the score terms (see above)
+    cu_q_ptr, cu_k_ptr, rng_seq_ptr,  # packed sequences (see above); read iff PACKED
     sinks_ptr,  # (H,) fp32 contiguous sink logits; read iff SINKS
     out_ptr,    # (B, H, Lq, D) output in q's dtype, strides (stride_ob, stride_oh, stride_om, 1)
-    lse_ptr,    # (B, H, Lq) fp32 contiguous: natural-log log-sum-exp, +inf for empty rows
+    lse_ptr,    # (B, H, Lq) fp32: natural-log log-sum-exp, +inf for empty rows
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn, stride_ob, stride_oh, stride_om,
-    stride_ab, stride_ah, stride_rh,
-    H, GROUPS, Lq, Lk,            # GROUPS = H // Hkv
+    stride_ab, stride_ah, stride_rh, stride_lb, stride_lh,
+    H, GROUPS, Lq, Lk,            # GROUPS = H // Hkv; PACKED: the longest lengths
     win_left, win_right, qk_scale, softcap_in,
     seed, rng_offset, drop_threshold, drop_scale,  # dropout: Philox key, counter base,
                                                    # round(p * 2^32), 1 / (1 - p)
     HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
-    SINKS: tl.constexpr,
+    SINKS: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # 1-D grid, query blocks fastest: programs running together share K/V in L2, and B*H is
@@ -216,8 +221,13 @@ def attn_fwd_kernel(
     bh = tl.program_id(0) // num_m
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
+    q_start, k_start, Lq, Lk, rng_b = sequence(b, H, Lq, Lk, rng_offset, cu_q_ptr, cu_k_ptr,
+                                               rng_seq_ptr, PACKED, DROPOUT)
+    if PACKED:
+        if start_m >= Lq:
+            return
     hkv = h // GROUPS
-    m64 = start_m.to(tl.int64)
+    m64 = start_m.to(tl.int64) + q_start
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     q_idx = start_m + offs_m
@@ -227,14 +237,14 @@ def attn_fwd_kernel(
                    + offs_m[:, None] * stride_qm + cols[None, :], q_idx, Lq, cols, HEAD_DIM,
                    BLOCK_D, True)
     q = _operand(q, INTERPRET)
-    k_head = k_ptr + b * stride_kb + hkv * stride_kh
-    v_head = v_ptr + b * stride_vb + hkv * stride_vh
+    k_head = k_ptr + b * stride_kb + hkv * stride_kh + k_start * stride_kn
+    v_head = v_ptr + b * stride_vb + hkv * stride_vh + k_start * stride_vn
     k_offs = offs_n[:, None] * stride_kn + cols[None, :]
     v_offs = offs_n[:, None] * stride_vn + cols[None, :]
     mask_rows = mask_ptr + b * stride_mb + h * stride_mh + m64 * stride_mm
     mask_offs = offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
     kpm_head = kpm_ptr + b * stride_kpb
-    rng_q = rng_offset + (bh.to(tl.int64) * Lq + q_idx) * Lk
+    rng_q = rng_b + (h * Lq + q_idx) * Lk
     band = make_band(Lq, Lk, win_left, win_right, BOTTOM_RIGHT, WINDOW_RIGHT)
     terms = head_terms(qk_scale, softcap_in, alibi_ptr + b * stride_ab + h * stride_ah,
                        rel_ptr + h * stride_rh, ALIBI)
@@ -268,7 +278,7 @@ def attn_fwd_kernel(
                 + offs_m[:, None] * stride_om + cols[None, :],
                 acc / l_safe[:, None], q_idx, Lq, cols, HEAD_DIM, INTERPRET)
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(l_safe)) * LN2)
-    tl.store(lse_ptr + bh.to(tl.int64) * Lq + q_idx, lse, mask=q_idx < Lq)
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh + q_start + q_idx, lse, mask=q_idx < Lq)
 
 
 # ---- backward --------------------------------------------------------------------------------
@@ -351,22 +361,23 @@ def _dkdv_query_blocks(dk, dv, k, v, k_idx, q_head, do_head, q_offs, do_offs, ls
 def attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr,   # as in attn_fwd_kernel
     mask_ptr, kpm_ptr,     # as in attn_fwd_kernel
-    alibi_ptr, rel_ptr,  # as in attn_fwd_kernel
+    alibi_ptr, rel_ptr, cu_q_ptr, cu_k_ptr, rng_seq_ptr,  # as in attn_fwd_kernel
     do_ptr,      # (B, H, Lq, D) grad of the output, strides (stride_dob, stride_doh, stride_dom, 1)
-    lse_ptr,     # (B, H, Lq) fp32 contiguous, from the forward
-    delta_ptr,   # (B, H, Lq) fp32 contiguous, from attn_bwd_delta_kernel
+    lse_ptr,     # (B, H, Lq) fp32, from the forward, strides (stride_lb, stride_lh, 1)
+    delta_ptr,   # (B, H, Lq) fp32, from attn_bwd_delta_kernel, strides as lse
     dk_ptr,      # (B, Hkv, Lk, D) grad of k in k's dtype; strides (stride_dk*, 1)
     dv_ptr,      # (B, Hkv, Lk, D) grad of v in v's dtype; strides (stride_dv*, 1)
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn, stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    stride_ab, stride_ah, stride_rh,
+    stride_ab, stride_ah, stride_rh, stride_lb, stride_lh,
     H, Hkv, GROUPS, Lq, Lk, win_left, win_right, qk_scale, softcap_in, scale,
     seed, rng_offset, drop_threshold, drop_scale,
     HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
+    PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     num_n = tl.cdiv(Lk, BLOCK_N)
@@ -374,7 +385,12 @@ def attn_bwd_dkdv_kernel(
     bhkv = tl.program_id(0) // num_n
     b = (bhkv // Hkv).to(tl.int64)
     hkv = (bhkv % Hkv).to(tl.int64)
-    n64 = start_n.to(tl.int64)
+    q_start, k_start, Lq, Lk, rng_b = sequence(b, H, Lq, Lk, rng_offset, cu_q_ptr, cu_k_ptr,
+                                               rng_seq_ptr, PACKED, DROPOUT)
+    if PACKED:  # (a sequence without queries still stores its zero dK, dV)
+        if start_n >= Lk:
+            return
+    n64 = start_n.to(tl.int64) + k_start
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     k_idx = start_n + offs_n
@@ -396,13 +412,12 @@ def attn_bwd_dkdv_kernel(
                                             WINDOW_LEFT, WINDOW_RIGHT)
     for g in range(GROUPS):
         h = hkv * GROUPS + g
-        bh = b * H + h
-        q_head = q_ptr + b * stride_qb + h * stride_qh
-        do_head = do_ptr + b * stride_dob + h * stride_doh
+        q_head = q_ptr + b * stride_qb + h * stride_qh + q_start * stride_qm
+        do_head = do_ptr + b * stride_dob + h * stride_doh + q_start * stride_dom
         mask_head = mask_ptr + b * stride_mb + h * stride_mh + n64 * stride_mn
-        lse_head = lse_ptr + bh * Lq
-        delta_head = delta_ptr + bh * Lq
-        rng_head = rng_offset + bh * Lq * Lk
+        lse_head = lse_ptr + b * stride_lb + h * stride_lh + q_start
+        delta_head = delta_ptr + b * stride_lb + h * stride_lh + q_start
+        rng_head = rng_b + h * Lq * Lk
         terms = head_terms(qk_scale, softcap_in, alibi_ptr + b * stride_ab + h * stride_ah,
                        rel_ptr + h * stride_rh, ALIBI)
         for part in tl.static_range(3):  # edge blocks above (if any), inner, below (if any)
@@ -474,7 +489,7 @@ def _dq_key_blocks(dq, q, do, lse2, delta, q_idx, k_head, v_head, k_offs, v_offs
 @triton.jit(do_not_specialize=_SPECIALIZE_NOT)
 def attn_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, kpm_ptr,  # as in attn_fwd_kernel
-    alibi_ptr, rel_ptr,        # as in attn_fwd_kernel
+    alibi_ptr, rel_ptr, cu_q_ptr, cu_k_ptr, rng_seq_ptr,  # as in attn_fwd_kernel
     do_ptr, lse_ptr, delta_ptr,              # as in attn_bwd_dkdv_kernel
     dq_ptr,      # (B, H, Lq, D) grad of q in q's dtype; strides (stride_dq*, 1)
     dmask_ptr,   # d attn_mask as a (B, H, Lq, Lk) view, strides stride_dm* (0 on broadcast
@@ -484,13 +499,13 @@ def attn_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn, stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm, stride_dmb, stride_dmh, stride_dmm, stride_dmn,
-    stride_ab, stride_ah, stride_rh,
+    stride_ab, stride_ah, stride_rh, stride_lb, stride_lh,
     H, GROUPS, Lq, Lk, win_left, win_right, qk_scale, softcap_in, scale,
     seed, rng_offset, drop_threshold, drop_scale,
     HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
-    MASK_GRAD: tl.constexpr, TABLE_GRAD: tl.constexpr,
+    MASK_GRAD: tl.constexpr, TABLE_GRAD: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     num_m = tl.cdiv(Lq, BLOCK_M)
@@ -498,8 +513,13 @@ def attn_bwd_dq_kernel(
     bh = tl.program_id(0) // num_m
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
+    q_start, k_start, Lq, Lk, rng_b = sequence(b, H, Lq, Lk, rng_offset, cu_q_ptr, cu_k_ptr,
+                                               rng_seq_ptr, PACKED, DROPOUT)
+    if PACKED:
+        if start_m >= Lq:
+            return
     hkv = h // GROUPS
-    m64 = start_m.to(tl.int64)
+    m64 = start_m.to(tl.int64) + q_start
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     q_idx = start_m + offs_m
@@ -510,11 +530,11 @@ def attn_bwd_dq_kernel(
     do = _operand(_load_rows(do_ptr + b * stride_dob + h * stride_doh + m64 * stride_dom
                              + offs_m[:, None] * stride_dom + cols[None, :], q_idx, Lq, cols,
                              HEAD_DIM, BLOCK_D, True), INTERPRET)
-    row = bh.to(tl.int64) * Lq + q_idx
+    row = b * stride_lb + h * stride_lh + q_start + q_idx
     lse2 = tl.load(lse_ptr + row, mask=q_idx < Lq, other=float("inf")) * LOG2E
     delta = tl.load(delta_ptr + row, mask=q_idx < Lq, other=0.0)
-    k_head = k_ptr + b * stride_kb + hkv * stride_kh
-    v_head = v_ptr + b * stride_vb + hkv * stride_vh
+    k_head = k_ptr + b * stride_kb + hkv * stride_kh + k_start * stride_kn
+    v_head = v_ptr + b * stride_vb + hkv * stride_vh + k_start * stride_vn
     k_offs = offs_n[:, None] * stride_kn + cols[None, :]
     v_offs = offs_n[:, None] * stride_vn + cols[None, :]
     mask_rows = mask_ptr + b * stride_mb + h * stride_mh + m64 * stride_mm
@@ -522,7 +542,7 @@ def attn_bwd_dq_kernel(
     dmask_rows = dmask_ptr + b * stride_dmb + h * stride_dmh + m64 * stride_dmm
     dmask_offs = offs_m[:, None] * stride_dmm + offs_n[None, :] * stride_dmn
     kpm_head = kpm_ptr + b * stride_kpb
-    rng_q = rng_offset + row * Lk
+    rng_q = rng_b + (h * Lq + q_idx) * Lk
     band = make_band(Lq, Lk, win_left, win_right, BOTTOM_RIGHT, WINDOW_RIGHT)
     terms = head_terms(qk_scale, softcap_in, alibi_ptr + b * stride_ab + h * stride_ah,
                        rel_ptr + h * stride_rh, ALIBI)

@@ -1,6 +1,6 @@
-"""Triton helpers of the attention kernels for the score variants: the window band (its
-block ranges and element mask), softcap, ALiBi, the relative-position bias, the option
-gradients.
+"""Triton helpers of the attention kernels for the options: packed sequences (sequence), the
+window band (its block ranges and element mask), softcap, ALiBi, the relative-position bias,
+the option gradients.
 
 triton_kernels/attention.py states the algorithm and the formulas; fastformer/reference/
 attention.py is the semantics. Conventions here: scores t are in base 2 (t = s * log2 e);
@@ -32,6 +32,26 @@ def tanh(x):
                                                                  + x2 * (62.0 / 2835.0)))))
     r = tl.where(a < 0.25, poly, (1.0 - e) / (1.0 + e))
     return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def sequence(b, H, Lq, Lk, rng_offset, cu_q_ptr, cu_k_ptr, rng_seq_ptr, PACKED: tl.constexpr,
+             DROPOUT: tl.constexpr):
+    """(q_start, k_start, Lq, Lk, rng_b) of batch row b, or with PACKED of sequence b: its first
+    row in q / k (int64; compile-time 0 unpacked), its lengths (packed: cu_q[b + 1] - cu_q[b]
+    and cu_k[b + 1] - cu_k[b]; unpacked Lq, Lk as given) and the dropout counter of its
+    element (h, i, j) = (0, 0, 0): rng_offset + b * H * Lq * Lk unpacked, rng_offset +
+    rng_seq[b] packed (the host's int64 prefix sums of H * Lq_s * Lk_s; read iff DROPOUT)."""
+    if PACKED:
+        q_lo = tl.load(cu_q_ptr + b)
+        k_lo = tl.load(cu_k_ptr + b)
+        rng_b = rng_offset + b * 0
+        if DROPOUT:
+            rng_b += tl.load(rng_seq_ptr + b)
+        return (q_lo.to(tl.int64), k_lo.to(tl.int64), tl.load(cu_q_ptr + b + 1) - q_lo,
+                tl.load(cu_k_ptr + b + 1) - k_lo, rng_b)
+    else:
+        return 0, 0, Lq, Lk, rng_offset + b * H * Lq * Lk
 
 
 @triton.jit

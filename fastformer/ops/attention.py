@@ -133,8 +133,8 @@ _CORE = frozenset({"causal", "scale"})
 _MASKS_DROPOUT = frozenset({"dropout_p", "rng_state", "attn_mask", "key_padding_mask"})
 _VARIANTS = frozenset({"window_left", "window_right", "softcap", "alibi_slopes", "sinks",
                        "rel_bias"})
-_LENGTHS = frozenset({"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
-                      "seqlens_k", "block_table"})
+_PACKED = frozenset({"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"})
+_LENGTHS = _PACKED | {"seqlens_k", "block_table"}
 
 
 def causal_mode(fn: str, causal) -> int:
@@ -219,13 +219,23 @@ class _Cuda(Impl):
 @ATTENTION.implementation
 class _Triton(Impl):
     """ops/attention_triton.py (triton_kernels/attention.py): head dims 16..256, every
-    option (windows, softcap, ALiBi, sinks, the T5 bias table, learned float masks)."""
+    option (windows, softcap, ALiBi, sinks, the T5 bias table, learned float masks), packed
+    sequences (without masks or the bias table; no KV cache)."""
 
     backend = "triton"
     dtypes = GPU_FLOAT
-    options = _CORE | _MASKS_DROPOUT | _VARIANTS
+    options = _CORE | _MASKS_DROPOUT | _VARIANTS | _PACKED
     features = frozenset({"gqa", "attn_mask_grad"})
     head_dims = (16, 256)
+
+    def reasons(self, call):
+        why = super().reasons(call)
+        if "cu_seqlens_q" in call.options:
+            clash = sorted(call.options & {"attn_mask", "key_padding_mask", "rel_bias"})
+            if clash:
+                why.append("does not take option " + ", ".join(f"`{n}`" for n in clash)
+                           + " with packed sequences")
+        return why
 
     def fwd(self, q, k, v, o):
         from . import attention_triton

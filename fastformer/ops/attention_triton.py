@@ -8,6 +8,14 @@ attn_mask None or a bool / float tensor in its own shape, broadcastable to (B, H
 causal 0/1/2; window_left / window_right (-1: no limit); softcap (0: off); alibi_slopes None
 or fp32 (H,) / (B, H); sinks None or fp32 (H,); rel_bias None or fp32 (H, Lq + Lk - 1); rng_state
 None or an int64 CPU tensor [seed, offset].
+
+Packed sequences (o.cu_seqlens_q set, FlashAttention's varlen layout): q (total_q, H, D), k
+and v (total_k, Hkv, D), out (total_q, H, Dv) and lse (H, total_q). The kernels take these
+(T, H, D) tensors as they are, with batch stride 0 (_strides3), and run in their PACKED mode:
+the grid's batch index is the sequence, sized by max_seqlen_q / max_seqlen_k; each program
+reads its sequence's first rows and lengths from cu_seqlens_q / cu_seqlens_k and its dropout
+counter base from the prefix sums of H * Lq_s * Lk_s (_packed_args). No attn_mask,
+key_padding_mask or relative bias with them (``_Triton`` declines those calls).
 """
 from __future__ import annotations
 
@@ -63,11 +71,11 @@ def _band(Lq: int, Lk: int, o):
     return max(left, 0), max(right, 0), left >= 0, 0 if right < 0 else 1 if right == 0 else 2
 
 
-def _variant_args(q: Tensor, Lk: int, o):
+def _variant_args(q: Tensor, Lq: int, Lk: int, o):
     """The score-variant arguments every kernel takes: (pointers, strides, scalars, flags) =
     ((alibi, rel_bias), (alibi b, h; rel_bias head), (left, right, qk_scale, softcap_in),
     constexprs). q stands in for absent tensors (never read)."""
-    Lq, D = q.shape[2], q.shape[3]
+    D = q.shape[-1]
     scale, cap = o.scale_for(D), float(o.softcap)
     left, right, has_left, has_right = _band(Lq, Lk, o)
     slopes, rel = o.alibi_slopes, o.rel_bias
@@ -90,31 +98,67 @@ def _variant_args(q: Tensor, Lk: int, o):
 
 
 def _strides3(t: Tensor):
-    """(batch, head, row) strides of a (B, H, L, D) tensor whose last dim is contiguous."""
+    """(batch, head, row) strides of a (B, H, L, D) tensor whose last dim is contiguous; of a
+    packed (T, H, D) one (0, head, row): the kernels find its sequences through cu_seqlens."""
+    if t.dim() == 3:
+        return 0, t.stride(1), t.stride(0)
     return t.stride(0), t.stride(1), t.stride(2)
+
+
+def _shape(q: Tensor, k: Tensor, o):
+    """(B, H, Hkv, Lq, Lk, D) as the grids and kernels see them: packed, B is the number of
+    sequences and Lq, Lk the longest lengths."""
+    if o.cu_seqlens_q is None:
+        B, H, Lq, D = q.shape
+        return B, H, k.shape[1], Lq, k.shape[2], D
+    for name in ("attn_mask", "key_padding_mask", "rel_bias"):
+        if getattr(o, name) is not None:
+            raise ValueError(f"attention (triton): `{name}` is not supported with packed "
+                             "sequences (cu_seqlens_q)")
+    return (o.cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1], int(o.max_seqlen_q),
+            int(o.max_seqlen_k), q.shape[2])
+
+
+def _packed_args(q: Tensor, lse: Tensor, o):
+    """(cu_q, cu_k, rng_seq), (lse batch, head strides), PACKED: rng_seq is the int64 prefix
+    sums of H * Lq_s * Lk_s (sequence s's dropout counter base, relative to the offset); q
+    stands in for absent tensors (never read). lse and delta share these strides."""
+    if o.cu_seqlens_q is None:
+        return (q, q, q), (lse.stride(0), lse.stride(1)), False
+    cu_q, cu_k = o.cu_seqlens_q, o.cu_seqlens_k
+    rng_seq = q
+    if o.dropout_p > 0:
+        n = q.shape[1] * (cu_q[1:] - cu_q[:-1]).long() * (cu_k[1:] - cu_k[:-1]).long()
+        rng_seq = n.cumsum(0) - n
+    return (cu_q, cu_k, rng_seq), (0, lse.stride(0)), True
 
 
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, o):
     """Returns (out (B, H, Lq, D) in q's dtype, stored as (B, Lq, H, D); lse (B, H, Lq) fp32,
-    natural log, the sink included; +inf on rows with no allowed key and no sink)."""
+    natural log, the sink included; +inf on rows with no allowed key and no sink). Packed:
+    out (total_q, H, D) and lse (H, total_q)."""
     from ..triton_kernels import attention as tk
-    B, H, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
-    out = q.new_empty((B, Lq, H, v.shape[-1])).transpose(1, 2)
-    lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    B, H, Hkv, Lq, Lk, D = _shape(q, k, o)
+    if o.cu_seqlens_q is None:
+        out = q.new_empty((B, Lq, H, v.shape[-1])).transpose(1, 2)
+        lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
+    else:
+        out = q.new_empty((q.shape[0], H, v.shape[-1]))
+        lse = torch.empty((H, q.shape[0]), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
     mask, mask_strides, kpm, kpm_strides, mask_kind, has_kpm = _mask_args(q, Lk, o)
-    ptrs, var_strides, scalars, flags = _variant_args(q, Lk, o)
+    ptrs, var_strides, scalars, flags = _variant_args(q, Lq, Lk, o)
+    seq_ptrs, lse_strides, packed = _packed_args(q, lse, o)
     sinks = q if o.sinks is None else o.sinks.contiguous()
     kernel, config = tk.kernel_and_config("fwd")
     kernel[lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)](
-        q, k, v, mask, kpm, *ptrs, sinks, out, lse,
+        q, k, v, mask, kpm, *ptrs, *seq_ptrs, sinks, out, lse,
         *_strides3(q), *_strides3(k), *_strides3(v), *mask_strides, *kpm_strides,
-        *_strides3(out), *var_strides,
+        *_strides3(out), *var_strides, *lse_strides,
         H, H // Hkv, Lq, Lk, *scalars, *_dropout_args(o),
         HEAD_DIM=D, MASK_KIND=mask_kind, HAS_KPM=has_kpm, DROPOUT=o.dropout_p > 0,
-        SINKS=o.sinks is not None, **flags, BLOCK_D=triton.next_power_of_2(D),
+        SINKS=o.sinks is not None, PACKED=packed, **flags, BLOCK_D=triton.next_power_of_2(D),
         INTERPRET=tk.interpreter_mode(), **config)
     return out, lse
 
@@ -140,11 +184,11 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     summed over each kv head's group; an option's gradient is None when the option is absent
     (or a bool mask) or `needs` (q, k, v, attn_mask, sinks, rel_bias flags; None: all) does
     not ask for it. d attn_mask has the mask's own shape (dS summed over its broadcast dims);
-    d sinks comes from the saved lse and delta: -sum_(b, i) exp(sink_h - lse) * delta."""
+    d sinks comes from the saved lse and delta: -sum_(b, i) exp(sink_h - lse) * delta.
+    Packed: dq, dk, dv in the packed layout of q, k, v; lse (H, total_q)."""
     from ..triton_kernels import attention as tk
-    B, H, Lq, D = q.shape
+    B, H, Hkv, Lq, Lk, D = _shape(q, k, o)
     scale = float(o.scale_for(D))  # a Python int would be specialized as an integer argument
-    Hkv, Lk = k.shape[1], k.shape[2]
     needs = (True,) * 6 if needs is None else tuple(needs)
     want_mask = (needs[3] and o.attn_mask is not None and o.attn_mask.dtype != torch.bool)
     want_sinks = needs[4] and o.sinks is not None
@@ -165,30 +209,33 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
                 dmask.to(o.attn_mask.dtype), d_sinks,
                 dtable if dtable is None else dtable.to(o.rel_bias.dtype))
     mask, mask_strides, kpm, kpm_strides, mask_kind, has_kpm = _mask_args(q, Lk, o)
-    ptrs, var_strides, scalars, flags = _variant_args(q, Lk, o)
+    ptrs, var_strides, scalars, flags = _variant_args(q, Lq, Lk, o)
+    seq_ptrs, lse_strides, packed = _packed_args(q, lse, o)
     block_d = triton.next_power_of_2(D)
 
-    delta = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
-    tk.attn_bwd_delta_kernel[(triton.cdiv(Lq, tk.DELTA_BLOCK_M) * B * H,)](
-        out, dout, delta, *_strides3(out), *_strides3(dout), H, Lq,
+    delta = torch.empty_like(lse)  # row by row: packed, one batch row of total_q rows
+    rows, batch = (q.shape[0], 1) if packed else (Lq, B)
+    tk.attn_bwd_delta_kernel[(triton.cdiv(rows, tk.DELTA_BLOCK_M) * batch * H,)](
+        out, dout, delta, *_strides3(out), *_strides3(dout), H, rows,
         HEAD_DIM=D, BLOCK_M=tk.DELTA_BLOCK_M, BLOCK_D=block_d)
 
     common = (*_strides3(q), *_strides3(k), *_strides3(v), *mask_strides, *kpm_strides,
               *_strides3(dout))
     flags = dict(HEAD_DIM=D, MASK_KIND=mask_kind, HAS_KPM=has_kpm, DROPOUT=o.dropout_p > 0,
-                 **flags, BLOCK_D=block_d, INTERPRET=tk.interpreter_mode())
+                 PACKED=packed, **flags, BLOCK_D=block_d, INTERPRET=tk.interpreter_mode())
     tail = (*scalars, scale, *_dropout_args(o))
 
     kernel, config = tk.kernel_and_config("dkdv")
     kernel[lambda meta: (triton.cdiv(Lk, meta["BLOCK_N"]) * B * Hkv,)](
-        q, k, v, mask, kpm, *ptrs, dout, lse, delta, dk, dv, *common, *_strides3(dk),
-        *_strides3(dv), *var_strides, H, Hkv, H // Hkv, Lq, Lk, *tail, **flags, **config)
+        q, k, v, mask, kpm, *ptrs, *seq_ptrs, dout, lse, delta, dk, dv, *common, *_strides3(dk),
+        *_strides3(dv), *var_strides, *lse_strides, H, Hkv, H // Hkv, Lq, Lk, *tail, **flags,
+        **config)
 
     kernel, config = tk.kernel_and_config("dq")
     kernel[lambda meta: (triton.cdiv(Lq, meta["BLOCK_M"]) * B * H,)](
-        q, k, v, mask, kpm, *ptrs, dout, lse, delta, dq, dmask_view,
+        q, k, v, mask, kpm, *ptrs, *seq_ptrs, dout, lse, delta, dq, dmask_view,
         q if dtable is None else dtable, *common, *_strides3(dq),
-        *(dmask_view.stride() if want_mask else (0, 0, 0, 0)), *var_strides,
+        *(dmask_view.stride() if want_mask else (0, 0, 0, 0)), *var_strides, *lse_strides,
         H, H // Hkv, Lq, Lk, *tail, MASK_GRAD=mask_grad, TABLE_GRAD=want_table, **flags,
         **config)
 

@@ -87,7 +87,9 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     Returns:
         (total_q, H, Dv) in q's dtype, or ``(out, lse)``. Differentiable in q, k, v (and the
         sinks). On the cpu backend the work is split by (sequence, head, query block), so one
-        long sequence among many short ones keeps every core busy.
+        long sequence among many short ones keeps every core busy; the triton backend runs
+        its kernels in their packed mode (a program per sequence, head and query block; no
+        copies of the packed tensors).
     """
     fn = "varlen_attention"
     _check_qkv(fn, q, k, v, 3, 3)
