@@ -66,6 +66,8 @@ def _call(inputs, o: FfnOptions) -> backends.Call:
             f.add("last_dim_strided")
         if not _uniform_rows(x):
             f.add("rows_strided")
+    if x.numel() < FEW_ROWS * x.shape[-1]:
+        f.add("few_rows")
     return backends.Call("ffn", x.device.type, x.dtype, o.set_fields(), frozenset(f),
                          hidden=w1.shape[0])
 
@@ -89,7 +91,12 @@ FFN = OpDef("ffn", inputs=("x", "w1", "b1?", "w2", "b2?", "w_up?", "b_up?"), opt
             save=lambda inputs, o, outputs: (inputs[0], inputs[1], inputs[3], inputs[5], outputs[1]),
             fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, call=_call)
 
-_FEATURES = frozenset({"bias", "gated"})
+# Calls with fewer token rows (decoding) go to torch's GEMMs in fp32 too: the packed kernel
+# packs both weights on every call, which a handful of rows cannot repay. Measured on a 2-core
+# Zen 5 (fp32, no dropout, forward): SwiGLU (N, 1024, 2816) N = 1: packed 2.14 ms, torch 1.75;
+# N = 8: packed 2.27, torch 2.82; GELU (N, 768, 3072) N = 1: 1.23 vs 0.49, N = 8: 0.90 vs 1.26.
+FEW_ROWS = 8
+_FEATURES = frozenset({"bias", "gated", "few_rows"})
 _NO_DROPOUT = frozenset({"activation", "store_preactivation"})
 _EVERY = _NO_DROPOUT | {"dropout_p", "rng_state"}
 
@@ -202,15 +209,19 @@ def _act_bwd_torch(dh: Tensor, pre: Tensor, act: int) -> Tensor:
 
 @FFN.implementation
 class _CpuOnednn(_VendorGemm):
-    """cpu, bf16 where the kernels run bf16 on AMX-BF16 tiles (``ff.info()``), without
-    dropout: torch's bf16 GEMMs run on AMX (oneDNN, ~1-1.5 TFLOP/s on a 2-core Xeon), 4-7x the
-    fp32 FMAs of csrc/cpu/ffn.cpp's packed GEMM, so the GEMMs go there and the activation /
-    gate are torch's elementwise ops. Saves what the fused kernel saves (the pre-activation,
-    never act(pre)); h is rounded to bf16 before the second GEMM, as eager PyTorch's is."""
+    """cpu, without dropout: torch's GEMMs (oneDNN / MKL) with the activation / gate as torch's
+    elementwise ops, for
+      * bf16 where torch's bf16 GEMMs have hardware dot products (AVX512-BF16 or AMX-BF16):
+        ~1-1.5 TFLOP/s on AMX (2-core Xeon, 4-7x the fp32 FMAs of csrc/cpu/ffn.cpp's packed
+        GEMM); on a 2-core Zen 5 with AVX512-BF16, SwiGLU (2048, 1024, 2816) forward 53 ms vs
+        the packed kernel's 104, forward+backward 140 vs 281;
+      * fp32 calls with fewer than FEW_ROWS token rows (above).
+    Saves what the fused kernel saves (the pre-activation, never act(pre)); h is rounded to bf16
+    before the second GEMM, as eager PyTorch's is."""
 
     backend = "cpu"
     name = "cpu.onednn"
-    dtypes = frozenset({torch.bfloat16})
+    dtypes = frozenset({torch.bfloat16, torch.float32})
     features = _FEATURES | {"last_dim_strided", "rows_strided"}
     act_fwd = staticmethod(lambda pre, act: ref.activation(pre, act))
     act_bwd = staticmethod(_act_bwd_torch)
@@ -218,10 +229,22 @@ class _CpuOnednn(_VendorGemm):
     gated_bwd = staticmethod(lambda dh, g, u, act: (_act_bwd_torch(dh * u, g, act),
                                                     dh * ref.activation(g, act)))
 
-    def unavailable(self):
-        if _ext.C is not None and _ext.C.use_amx_bf16():
-            return None
-        return "bf16 kernels not on AMX tiles (" + (_ext.cpu_info().get("amx_note") or "off") + ")"
+    def reasons(self, call):
+        why = super().reasons(call)
+        if why:
+            return why
+        if call.dtype == torch.float32 and "few_rows" not in call.features:
+            return [f"fp32 with {FEW_ROWS} or more token rows: the packed kernel is faster"]
+        if call.dtype == torch.bfloat16 and not _fast_bf16_gemm():
+            return ["torch's bf16 GEMMs have no AVX512-BF16 / AMX-BF16 dot products on this CPU"]
+        return []
+
+
+def _fast_bf16_gemm() -> bool:
+    """Whether torch's CPU bf16 matmuls run on bf16 dot-product instructions here."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool((probe and probe()) or (amx and amx()))
 
 
 @FFN.implementation
