@@ -225,6 +225,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("rotary", &cb::rotary, py::arg("x"), py::arg("o"), py::arg("conj") = false);
   m.def("ffn_fwd", &cb::ffn_fwd);
   m.def("ffn_bwd", &cb::ffn_bwd);
+  m.def("lce_rows", &cb::lce_rows, "linear_cross_entropy: the row pass over a chunk of logits");
+  m.def("lce_pair_add", &cb::lce_pair_add, "hi + lo += p (compensated bf16/fp16 accumulation)");
 #ifdef FASTFORMER_WITH_CUDA
   namespace gb = fastformer::cuda_bindings;
   m.def("cuda_add_norm_fwd", &gb::add_norm_fwd);

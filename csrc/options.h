@@ -1,6 +1,7 @@
 // The options of each op family as C++ structs, field for field the Python option dataclasses
 // (AttentionOptions in fastformer/ops/attention.py, NormOptions in ops/norm.py, FfnOptions in
-// ops/ffn.py, RotaryOptions in ops/rotary.py). pybind11 fills a struct straight from the Python
+// ops/ffn.py, RotaryOptions in ops/rotary.py, LinearCrossEntropyOptions in
+// ops/linear_cross_entropy.py). pybind11 fills a struct straight from the Python
 // object, reading each field by name (the casters below); _C.option_fields() lists the fields
 // so that a test can check that both sides have the same ones in the same order.
 //
@@ -54,12 +55,23 @@ namespace fastformer {
   X(std::optional<at::Tensor>, sin) \
   X(bool, interleaved)
 
+#define FF_LINEAR_CROSS_ENTROPY_OPTIONS(X)   \
+  X(std::optional<at::Tensor>, target)       \
+  X(int64_t, ignore_index)                   \
+  X(double, label_smoothing)                 \
+  X(int64_t, reduction)                      \
+  X(double, softcap)                         \
+  X(bool, grad_x)                            \
+  X(bool, grad_weight)                       \
+  X(bool, grad_bias)
+
 // Every family: X(struct name, field list, Python family name).
 #define FF_OPTION_STRUCTS(X)                          \
   X(AttentionOptions, FF_ATTENTION_OPTIONS, "attention") \
   X(NormOptions, FF_NORM_OPTIONS, "add_norm")         \
   X(FfnOptions, FF_FFN_OPTIONS, "ffn")                \
-  X(RotaryOptions, FF_ROTARY_OPTIONS, "rotary")
+  X(RotaryOptions, FF_ROTARY_OPTIONS, "rotary")      \
+  X(LinearCrossEntropyOptions, FF_LINEAR_CROSS_ENTROPY_OPTIONS, "linear_cross_entropy")
 
 #define FF_OPTION_FIELD(type, name) type name{};
 #define FF_OPTION_STRUCT(Struct, FIELDS, family) \

@@ -19,6 +19,7 @@ from .modules.transformer import (Transformer, TransformerDecoder,  # noqa: E402
                                   TransformerEncoderLayer)
 from .ops.attention import RelativePositionBias, attention  # noqa: E402
 from .ops.ffn import ffn, swiglu_ffn  # noqa: E402
+from .ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from .ops.norm import add_layer_norm, layer_norm, rms_norm  # noqa: E402
 from .ops.rotary import apply_rotary  # noqa: E402
 from .ops.sdpa import SDPAError, patch_sdpa, scaled_dot_product_attention  # noqa: E402
@@ -29,7 +30,7 @@ __all__ = [
     "add_layer_norm", "layer_norm", "rms_norm", "LayerNorm", "RMSNorm",
     "attention", "RelativePositionBias", "scaled_dot_product_attention", "varlen_attention",
     "attention_with_kvcache", "patch_sdpa", "SDPAError",
-    "ffn", "swiglu_ffn", "apply_rotary",
+    "ffn", "swiglu_ffn", "apply_rotary", "linear_cross_entropy",
     "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
     "TransformerEncoder", "TransformerDecoder", "Transformer",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryEmbedding",

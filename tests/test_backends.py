@@ -84,7 +84,7 @@ def test_backward_uses_the_forward_backend_outside_the_block():
 
 
 def test_declarations_match_implementations():
-    for op in ("add_norm", "attention", "ffn", "rotary"):
+    for op in ("add_norm", "attention", "ffn", "rotary", "linear_cross_entropy"):
         impls = backends.implementations(op)
         assert {i.backend for i in impls} >= {"cpu", "triton", "reference"}, op
         for impl in impls:
@@ -145,12 +145,14 @@ def test_cpu_arch_override_env():
 
 def test_option_structs_mirror_the_python_options():
     """csrc/options.h's structs have the Python option dataclasses' fields, in their order."""
-    from fastformer.ops import attention, ffn, norm, rotary
+    from fastformer.ops import attention, ffn, linear_cross_entropy, norm, rotary
     fields = ff._ext.C.option_fields()
     assert fields == {"attention": list(attention.AttentionOptions.fields),
                       "add_norm": list(norm.NormOptions.fields),
                       "ffn": list(ffn.FfnOptions.fields),
-                      "rotary": list(rotary.RotaryOptions.fields)}
+                      "rotary": list(rotary.RotaryOptions.fields),
+                      "linear_cross_entropy":
+                          list(linear_cross_entropy.LinearCrossEntropyOptions.fields)}
 
 
 def test_an_option_an_implementation_does_not_list_is_declined_by_its_name():

@@ -8,6 +8,7 @@ import fastformer as ff
 from fastformer import backends
 from fastformer.ops import attention as attn_ops
 from fastformer.ops import ffn as ffn_ops
+from fastformer.ops import linear_cross_entropy as lce_ops
 from fastformer.ops import norm as norm_ops
 from fastformer.ops import rotary as rotary_ops
 
@@ -42,6 +43,14 @@ def _rotary(x, cos, sin):
     return ff.apply_rotary(x, cos, sin)
 
 
+def _lce_none(x, w, b, t):
+    return ff.linear_cross_entropy(x, w, t, b, reduction="none", label_smoothing=0.1, softcap=5.0)
+
+
+def _lce_mean(x, w, b, t):
+    return ff.linear_cross_entropy(x, w, t, b).reshape(1)  # the gradients from the forward
+
+
 def _cases():
     """(name, fn, make(B, L) -> inputs, indices of the inputs that get gradients,
     {input index: (batch dim, sequence dim)})."""
@@ -67,6 +76,12 @@ def _cases():
          (0, 1, 2, 3, 4), {0: (0, 1)}),
         ("rotary", _rotary, lambda B, L: [rnd(B, 3, L, D), rnd(L, 4), rnd(L, 4)], (0,),
          {0: (0, 2), 1: (None, 0), 2: (None, 0)}),
+        ("lce_none", _lce_none,
+         lambda B, L: [rnd(B, L, 24), rnd(40, 24), rnd(40), torch.randint(0, 40, (B, L), generator=g)],
+         (0, 1, 2), {0: (0, 1), 3: (0, 1)}),
+        ("lce_mean", _lce_mean,
+         lambda B, L: [rnd(B, L, 24), rnd(40, 24), rnd(40), torch.randint(0, 40, (B, L), generator=g)],
+         (0, 1, 2), {0: (0, 1), 3: (0, 1)}),
     ]
 
 
@@ -91,7 +106,7 @@ def _assert_matches_eager(compiled, fn, inputs, grad_idx):
 
 # ---- torch.compile ---------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("name", ["attention", "add_layer_norm", "swiglu"])
+@pytest.mark.parametrize("name", ["attention", "add_layer_norm", "swiglu", "lce_mean"])
 def test_compile_fullgraph_matches_eager(name, backend):
     torch._dynamo.reset()
     _, fn, make, grad_idx, _ = CASES[name]
@@ -109,7 +124,7 @@ def test_compile_dynamic_shapes_matches_eager(name):
         _assert_matches_eager(compiled, fn, make(B, L), grad_idx)
 
 
-@pytest.mark.parametrize("name", ["attention", "rms_norm", "ffn", "rotary"])
+@pytest.mark.parametrize("name", ["attention", "rms_norm", "ffn", "rotary", "lce_none"])
 def test_compile_mark_dynamic_every_dim(name):
     """mark_dynamic on every dim of every input (head dims and hidden sizes included): the
     checks and the fake implementations trace with symbolic sizes."""
@@ -183,6 +198,14 @@ def test_opcheck_every_op():
     xr = torch.randn(2, 3, 7, 16)
     _opcheck_pair(rotary_ops.ROTARY, [xr],
                   rotary_ops.RotaryOptions(cos=torch.randn(7, 8), sin=torch.randn(7, 8)), (0,))
+    xl, wl, bl = torch.randn(9, 16), torch.randn(30, 16), torch.randn(30)
+    tl = torch.randint(0, 30, (9,))
+    tl[2] = -100
+    for reduction in (0, 1, 2):  # none, mean, sum
+        _opcheck_pair(lce_ops.LINEAR_CROSS_ENTROPY, [xl, wl, bl],
+                      lce_ops.LinearCrossEntropyOptions(
+                          target=tl, reduction=reduction, label_smoothing=0.1, softcap=4.0,
+                          grad_x=True, grad_weight=True, grad_bias=True), (0,))
 
 
 # ---- routes --------------------------------------------------------------------------------
@@ -219,7 +242,8 @@ def _counting_bwd(monkeypatch, op: str, backend: str) -> list:
 
 @pytest.mark.parametrize("route", ["function", "custom_op", "compile"])
 @pytest.mark.parametrize("name,op", [("attention", "attention"), ("rms_norm", "add_norm"),
-                                     ("ffn", "ffn")])
+                                     ("ffn", "ffn"), ("lce_none", "linear_cross_entropy"),
+                                     ("lce_mean", "linear_cross_entropy")])
 def test_backward_runs_on_the_forwards_backend(route, name, op, monkeypatch, request):
     """``with ff.use_backend("triton"): y = f(x)`` then ``y.backward()`` outside the block runs
     Triton's backward (not a second selection's cpu backward), on every route."""

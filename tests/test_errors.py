@@ -15,6 +15,7 @@ META = torch.randn(4, 16, device="meta")
 W1, W2, WU = torch.randn(32, 16), torch.randn(16, 32), torch.randn(32, 16)
 B1, B2 = torch.randn(32), torch.randn(16)
 ROT_X = torch.randn(2, 4, 8, 16)
+LCE_X, LCE_W, LCE_T = torch.randn(2, 3, 16), torch.randn(10, 16), torch.randint(0, 10, (2, 3))
 
 CATALOGUE = {
     # rank / shape
@@ -99,6 +100,28 @@ CATALOGUE = {
     "apply_rotary: x rank": (lambda: ff.apply_rotary(ROT_X[0], torch.randn(8, 8), torch.randn(8, 8)), ValueError, "x"),
     "RotaryEmbedding: odd dim": (lambda: ff.RotaryEmbedding(15), ValueError, "dim"),
     "LearnedPositionalEncoding: too long": (lambda: ff.LearnedPositionalEncoding(4, 16, batch_first=True)(torch.randn(2, 8, 16)), ValueError, "max_len"),
+    # linear cross-entropy
+    "lce: weight shape": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W[:, :8], LCE_T), ValueError, "weight"),
+    "lce: weight rank": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W[0], LCE_T), ValueError, "weight"),
+    "lce: weight dtype": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W.double(), LCE_T), TypeError, "weight"),
+    "lce: weight device": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W.to("meta"), LCE_T), ValueError, "weight"),
+    "lce: integer x": (lambda: ff.linear_cross_entropy(LCE_X.long(), LCE_W, LCE_T), TypeError, "x"),
+    "lce: x without features": (lambda: ff.linear_cross_entropy(torch.randn(3, 0), LCE_W, LCE_T[0]), ValueError, "x"),
+    "lce: target shape": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T[0]), ValueError, "target"),
+    "lce: target dtype": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T.int()), TypeError, "target"),
+    "lce: float target": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T.float()), TypeError, "target"),
+    "lce: target not a tensor": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, [1, 2]), TypeError, "target"),
+    "lce: target above vocab": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T.clone().fill_(10)), ValueError, "target"),
+    "lce: negative target": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T.clone().fill_(-1)), ValueError, "target"),
+    "lce: bias shape": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T, torch.randn(9)), ValueError, "bias"),
+    "lce: bias dtype": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T, torch.randn(10).half()), TypeError, "bias"),
+    "lce: reduction": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T, reduction="avg"), ValueError, "reduction"),
+    "lce: softcap zero": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T, softcap=0.0), ValueError, "softcap"),
+    "lce: softcap negative": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T, softcap=-30.0), ValueError, "softcap"),
+    "lce: softcap inf": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T, softcap=float("inf")), ValueError, "softcap"),
+    "lce: label_smoothing 1": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T, label_smoothing=1.0), ValueError, "label_smoothing"),
+    "lce: label_smoothing negative": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T, label_smoothing=-0.1), ValueError, "label_smoothing"),
+    "lce: ignore_index float": (lambda: ff.linear_cross_entropy(LCE_X, LCE_W, LCE_T, ignore_index=-100.0), TypeError, "ignore_index"),
     # modules
     "MultiheadAttention: heads": (lambda: ff.MultiheadAttention(16, 3), ValueError, "num_heads"),
     "MultiheadAttention: add_bias_kv": (lambda: ff.MultiheadAttention(16, 4, add_bias_kv=True), NotImplementedError, "add_bias_kv"),

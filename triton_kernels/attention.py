@@ -72,10 +72,10 @@ import triton.language as tl
 from . import interpreter_mode
 from .attention_options import (band_mask, head_terms, key_blocks, make_band, option_grads,
                                 query_blocks, score_terms, sequence)
-from .common import cast_to
+from .common import LOG2E, cast_to
 from .common import dot_operand as _operand  # bf16 tl.dot operands upcast under the interpreter
 
-LOG2E = tl.constexpr(1.4426950408889634)
+
 LN2 = tl.constexpr(0.6931471805599453)
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2  # MASK_KIND: how attn_mask is read
 GRAD_NONE, GRAD_STORE, GRAD_ATOMIC = 0, 1, 2  # MASK_GRAD: how d attn_mask is written (dQ kernel)

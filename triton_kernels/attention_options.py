@@ -14,24 +14,7 @@ interpreter mis-types `block & scalar` of int1); integer divisions see non-negat
 import triton
 import triton.language as tl
 
-from .common import cast_to
-
-LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def tanh(x):
-    """fp32 tanh from exp2 (libdevice's does not run under the interpreter): an odd Taylor
-    polynomial to x^9 below |x| = 1/4 (truncation < 1e-8 relative), else (1 - e) / (1 + e)
-    with e = exp(-2 |x|) (no overflow at any |x|); within 1.5 fp32 ulps under the interpreter
-    (tests: at most 4)."""
-    a = tl.abs(x)
-    e = tl.exp2(a * (-2.0 * LOG2E))
-    x2 = x * x
-    poly = a * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0
-                                                                 + x2 * (62.0 / 2835.0)))))
-    r = tl.where(a < 0.25, poly, (1.0 - e) / (1.0 + e))
-    return tl.where(x < 0, -r, r)
+from .common import LOG2E, cast_to, tanh
 
 
 @triton.jit

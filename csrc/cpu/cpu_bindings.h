@@ -615,5 +615,74 @@ inline std::vector<Tensor> ffn_bwd(const Tensor& dy, const Tensor& x, const Tens
   return {dx, dw1, db1, dw2, db2, dw_up, db_up};
 }
 
+// ---- linear cross-entropy -------------------------------------------------------------------
+// The row pass over one chunk of logits (the chunk loop and its GEMMs run in
+// fastformer/reference/linear_cross_entropy.py): loss and lse per row (compute_loss), and / or
+// the logits overwritten by their gradient times grad_scale (and row_scale) (write_grad), whose
+// column sums are added to dbias (f64) when given.
+inline void lce_rows(const Tensor& logits, const Tensor& target, const Tensor& loss,
+                     const Tensor& lse, const optional<Tensor>& row_scale,
+                     const optional<Tensor>& dbias, const LinearCrossEntropyOptions& o,
+                     double grad_scale, bool compute_loss, bool write_grad) {
+  check_cpu(logits, "lce_rows");
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous(),
+              "fastformer._C.lce_rows: logits must be a contiguous (rows, vocab) matrix");
+  const int64_t rows = logits.size(0), vocab = logits.size(1);
+  const at::ScalarType acc = stats_dtype(logits);
+  TORCH_CHECK(target.scalar_type() == at::kLong && target.is_contiguous() && target.numel() == rows,
+              "fastformer._C.lce_rows: target must be a contiguous int64 vector of the rows");
+  for (const Tensor* t : {&loss, &lse})
+    TORCH_CHECK(t->scalar_type() == acc && t->is_contiguous() && t->numel() == rows,
+                "fastformer._C.lce_rows: loss and lse must be contiguous (rows,) in the "
+                "accumulation dtype");
+  const Tensor* rs = present(row_scale);
+  TORCH_CHECK(!rs || (rs->scalar_type() == acc && rs->is_contiguous() && rs->numel() == rows),
+              "fastformer._C.lce_rows: row_scale must be contiguous (rows,) in the accumulation "
+              "dtype");
+  const Tensor* db = present(dbias);
+  TORCH_CHECK(!db || (db->scalar_type() == at::kDouble && db->is_contiguous() &&
+                      db->numel() == vocab),
+              "fastformer._C.lce_rows: dbias must be a contiguous float64 (vocab,) vector");
+  cpu::LceRowsArgs a;
+  a.dtype = to_dtype(logits);
+  a.rows = rows;
+  a.vocab = vocab;
+  a.logits = logits.data_ptr();
+  a.target = target.data_ptr<int64_t>();
+  a.ignore_index = o.ignore_index;
+  a.label_smoothing = o.label_smoothing;
+  a.softcap = o.softcap;
+  a.compute_loss = compute_loss;
+  a.loss = loss.data_ptr();
+  a.lse = lse.data_ptr();
+  a.write_grad = write_grad;
+  a.grad_scale = grad_scale;
+  a.row_scale = rs ? rs->data_ptr() : nullptr;
+  a.dbias = db ? db->data_ptr() : nullptr;
+  if (rows > 0 && vocab > 0) {
+    KernelGilRelease no_gil;
+    cpu::kernels().lce_rows(a);
+  }
+}
+
+// hi + lo += p in place (compensated accumulation in a pair of buffers of p's dtype).
+inline void lce_pair_add(const Tensor& hi, const Tensor& lo, const Tensor& p) {
+  check_cpu(hi, "lce_pair_add");
+  for (const Tensor* t : {&hi, &lo, &p})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == p.scalar_type() &&
+                    t->numel() == p.numel(),
+                "fastformer._C.lce_pair_add: hi, lo and p must be contiguous, of one dtype and size");
+  cpu::PairAddArgs a;
+  a.dtype = to_dtype(p);
+  a.n = p.numel();
+  a.hi = hi.data_ptr();
+  a.lo = lo.data_ptr();
+  a.p = p.data_ptr();
+  if (a.n > 0) {
+    KernelGilRelease no_gil;
+    cpu::kernels().lce_pair_add(a);
+  }
+}
+
 }  // namespace cpu_bindings
 }  // namespace fastformer

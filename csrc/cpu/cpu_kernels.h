@@ -186,6 +186,35 @@ struct FfnArgs {
   void* db2 = nullptr;
 };
 
+// ---- linear cross-entropy ------------------------------------------------------------------
+// The row pass over one chunk of logits of ff.linear_cross_entropy (the chunk loop and its GEMMs:
+// fastformer/reference/linear_cross_entropy.py; the kernels: csrc/cpu/linear_cross_entropy.cpp).
+struct LceRowsArgs {
+  DType dtype;                       // the logits (read, then overwritten by their gradient)
+  int64_t rows = 0, vocab = 0;
+  void* logits = nullptr;            // (rows, vocab) contiguous
+  const int64_t* target = nullptr;   // (rows,) contiguous
+  int64_t ignore_index = -100;
+  double label_smoothing = 0.0;
+  double softcap = 0.0;              // > 0: s = softcap * tanh(z / softcap)
+  bool compute_loss = true;          // write loss and lse; false: read lse (a backward)
+  void* loss = nullptr;              // (rows,) accumulation type (f32; f64 for f64)
+  void* lse = nullptr;               // (rows,) accumulation type
+  bool write_grad = false;           // overwrite the logits with d loss_r / d z, times the scales
+  double grad_scale = 1.0;
+  const void* row_scale = nullptr;   // optional (rows,) accumulation type: a factor per row
+  void* dbias = nullptr;             // optional (vocab,) f64: += column sums of the gradient
+};
+
+// hi + lo += p, elementwise: a compensated accumulation in a pair of bf16 / f16 buffers.
+struct PairAddArgs {
+  DType dtype;
+  int64_t n = 0;
+  void* hi = nullptr;                // n contiguous elements each
+  void* lo = nullptr;
+  const void* p = nullptr;
+};
+
 // X-macro list of kernels: X(name, ArgsType). Add a kernel here and in one .cpp file.
 #define FF_CPU_KERNELS(X)          \
   X(add_norm_fwd, NormFwdArgs)     \
@@ -194,7 +223,9 @@ struct FfnArgs {
   X(attention_bwd, AttnArgs)       \
   X(ffn_fwd, FfnArgs)              \
   X(ffn_bwd, FfnArgs)              \
-  X(rotary, RotaryArgs)
+  X(rotary, RotaryArgs)            \
+  X(lce_rows, LceRowsArgs)         \
+  X(lce_pair_add, PairAddArgs)
 
 #define FF_DECLARE_KERNEL(name, Args) void name(const Args& args);
 #define FF_DECLARE_LEVEL(LEVEL) \

@@ -330,9 +330,6 @@ class _CausalLMLoss:
 
 
 def _convert_causal_lm(m: nn.Module) -> Optional[str]:
-    import fastformer
-    if not hasattr(fastformer, "linear_cross_entropy"):
-        return "ff.linear_cross_entropy is not available"
     head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or not hasattr(m, getattr(m, "base_model_prefix", "")):
         return "no nn.Linear LM head over a base model"

@@ -1,0 +1,99 @@
+// Vector math shared by the CPU kernels (fp32 at the AVX2 / AVX-512 levels, at::vec
+// elsewhere): a NaN-aware max, 2^x for x <= 0 (the softmax exponentials, log2 units) and tanh
+// for softcaps (attention scores, LM-head logits).
+#pragma once
+
+#include <cmath>
+#include <type_traits>
+
+#include "common/online_softmax.h"
+#include "cpu/vec_utils.h"
+
+namespace fastformer::cpu::CPU_CAPABILITY {
+
+// max(a, b) in one instruction where there is one (vmaxps; at::vec::maximum is three): a NaN
+// in a is returned, a NaN in b is skipped (the DEFAULT level's fallback returns either NaN).
+// exp2's clamp passes the score as a (NaN stays NaN); a row max passes the running max as a
+// and skips a NaN score, whose P is NaN anyway.
+template <typename A>
+inline Vectorized<A> max_nan_from_first(const Vectorized<A>& a, const Vectorized<A>& b) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<A, float>) return _mm256_max_ps(b, a);  // NaN -> second operand
+#elif defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float>) return _mm512_max_ps(b, a);
+#endif
+  return at::vec::maximum(a, b);
+}
+
+// 2^f for f in [0, 1): degree-5 polynomial fitted here with p(0) = 1 and p(1) = 2 exact.
+inline Vectorized<float> exp2_unit_poly(const Vectorized<float>& f) {
+  using V = Vectorized<float>;
+  V p(0.00187831767834723f);
+  p = at::vec::fmadd(p, f, V(0.008990056812763214f));
+  p = at::vec::fmadd(p, f, V(0.0558231920003891f));
+  p = at::vec::fmadd(p, f, V(0.2401561290025711f));
+  p = at::vec::fmadd(p, f, V(0.6931523084640503f));
+  return at::vec::fmadd(p, f, V(1.0f));
+}
+
+// 2^x for x <= 0 (scores minus the row max, log2 units). AVX2/AVX-512 fp32: 2^floor(x) times
+// exp2_unit_poly(x - floor(x)) (max relative error 1.9e-7 (AVX2) / 1.7e-7 (AVX-512) over 8.2e8
+// x in [-200, 0]; exact at 0 so that a row's max element has P = 1 and a single-key row has
+// dS = 0 exactly); x < -126 gives exactly 0 (masked scores are -inf), NaN stays NaN. Other
+// levels and fp64: Sleef's exp2. Forward and backward use the same one at a level, so the
+// backward's P is the forward's.
+template <typename A>
+inline Vectorized<A> exp2_nonpositive(const Vectorized<A>& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // vreduceps gives f = x - floor(x), vscalefps p * 2^floor(x) (exact), a mask zeroes x < -126
+  // and keeps NaN (unordered compare): 8 vector instructions (the AVX2 way below takes 12). For
+  // x in (-1, 0) vreduceps rounds x + 1 differently from the AVX2 subtraction, so 5.8% of such
+  // x differ from the AVX2 level in the last bit.
+  if constexpr (std::is_same_v<A, float>) {
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+    const Vectorized<float> f(_mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+    return _mm512_maskz_scalef_ps(live, exp2_unit_poly(f), x);
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  // floor/fraction split, exponent bits from the integer part (n <= -127 gives bits 0: 0).
+  if constexpr (std::is_same_v<A, float>) {
+    using V = Vectorized<float>;
+    const V xc = max_nan_from_first(x, V(-127.0f));
+    const V n = xc.floor();
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return exp2_unit_poly(xc - n) * V(_mm256_castsi256_ps(e));
+  }
+#endif
+  return x.exp2();
+}
+
+// tanh(y) for the softcap. fp32 at the AVX2 / AVX-512 levels: below |y| = 1/4 the odd Taylor
+// polynomial to y^9 (its first omitted term is < 2e-9 there; 7 vector operations), and only
+// when a lane is above it sign(y) (1 - e) / (1 + e) with e = 2^(-2 log2(e) |y|) from
+// exp2_nonpositive (relative error 2e-7 in e, 1 - e >= 0.39 there): absolute error < 3e-7
+// everywhere, exactly +-1 far out. Scores below a quarter of the cap are the common case (cap
+// 30 to 50 in Gemma 2, scores of a few units). Sleef's tanhf (at::vec's tanh) took 1.8x the
+// time of a whole attention forward without softcap at (1, 8, 2048, 64). Other levels and
+// fp64: at::vec.
+template <typename A>
+inline Vectorized<A> tanh_softcap(const Vectorized<A>& y) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float>) {
+    using V = Vectorized<float>;
+    const V a = y.abs(), y2 = y * y;
+    V p(62.0f / 2835.0f);
+    p = at::vec::fmadd(p, y2, V(-17.0f / 315.0f));
+    p = at::vec::fmadd(p, y2, V(2.0f / 15.0f));
+    p = at::vec::fmadd(p, y2, V(-1.0f / 3.0f));
+    const V small = at::vec::fmadd(p * y2, y, y);
+    const V is_small = a < V(0.25f);
+    if (is_small.zero_mask() == 0) return small;  // every lane small
+    const V e = exp2_nonpositive(a * V(static_cast<float>(-2.0 * kLog2e)));
+    const V large = ((V(1.0f) - e) / (V(1.0f) + e)) | (y & V(-0.0f));  // with y's sign
+    return V::blendv(large, small, is_small);
+  }
+#endif
+  return y.tanh();
+}
+
+}  // namespace fastformer::cpu::CPU_CAPABILITY
