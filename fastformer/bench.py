@@ -16,7 +16,7 @@ import torch
 
 from .benchmarks import common
 
-SUITES = ["layernorm", "attention", "decode", "ffn", "layers"]
+SUITES = ["layernorm", "attention", "decode", "ffn", "layers", "models", "loss"]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

