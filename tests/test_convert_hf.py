@@ -197,3 +197,41 @@ def test_minilm_sentence_embeddings_after_conversion():
     ours = embed(ff.convert(model, inplace=False).model)
     cos = (ours * ref).sum(-1)
     assert cos.min().item() >= 0.99999, cos
+
+
+def test_t5_bias_runs_in_the_kernels_with_padding_and_matches():
+    """Converted T5: the relative bias reaches ff.attention as an ff.RelativePositionBias (the
+    report says so, no (1, H, Lq, Lk) bias is built), with a padded encoder batch and the
+    decoder's causal mask; outputs and every gradient (the bias table's included) match."""
+    model = _model("t5")
+    report = ff.convert(model, inplace=False)
+    assert any(kind.startswith("ff.RelativePositionBias") for _, _, kind in report.replaced)
+    ours = report.model
+    inputs = _inputs("t5")
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[1, 9:] = 0
+    inputs["attention_mask"] = mask
+    ref_model = copy.deepcopy(model).double()
+    out, grads = _run(ours, inputs)
+    ref_out, ref_grads = _run(ref_model, inputs)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-5, rtol=1e-5)
+    for n, r in ref_grads.items():
+        s = r.abs().max().item() or 1.0
+        assert (grads[n].double() - r).abs().max().item() <= 1e-5 * max(s, 1e-3), f"d{n}"
+    assert ref_grads["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].abs().max() > 0
+
+
+def test_t5_generate_with_cache_matches_unconverted():
+    """Decoding with a cache: T5 offsets the decoder's relative positions by the cached tokens,
+    the kernels by the bottom-right diagonal (the same here); greedy tokens and scores match."""
+    config_cls, _, kw = _families()["t5"]
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config_cls(**kw, attn_implementation="eager",
+                                                               decoder_start_token_id=0))
+    ours = ff.convert(model, inplace=False).model
+    ids = _inputs("t5")["input_ids"]
+    kw_gen = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    got, want = ours.generate(ids, **kw_gen), model.generate(ids, **kw_gen)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.scores, want.scores):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -20,6 +20,8 @@ GPT-2 blocks                ``ln_2`` with its residual add; the Conv1D MLP on ``
 ViT layers                  ``layernorm_after`` with its residual add; the MLP on ``ff.ffn``
 T5 feed-forward             DenseReluDense on ``ff.ffn`` (dropout fused); the gated one on
                             ``ff.swiglu_ffn`` when no dropout runs
+T5 attention's bias         ``ff.RelativePositionBias`` on the layer's table, computed inside the
+                            attention kernels (no (1, H, Lq, Lk) bias tensor)
 CausalLM heads              with ``labels``: ``ff.linear_cross_entropy`` on the hidden states
                             (the logits are not materialized and not returned, as Liger-Kernel)
 ==========================  =====================================================================
@@ -298,6 +300,36 @@ class _T5DenseGatedActDense:
                           activation=self._ff_act)
 
 
+# ---- T5's relative-position bias ------------------------------------------------------------------
+class _T5RelativeBias:
+    """compute_bias returns a placeholder that carries an ff.RelativePositionBias over the
+    layer's own table: the attention function (integrations/transformers.py) hands it to the
+    kernels, which read the bias of (i, j) from an (H, Lq + Lk - 1) gather of the table and
+    return its gradient, instead of T5 building and adding a (1, H, Lq, Lk) tensor per call
+    (and its gradient in training). Under another attention implementation: the original."""
+    _ff_what = "ff.RelativePositionBias (the bias inside the attention kernels)"
+
+    def compute_bias(self, query_length, key_length, device=None, past_seen_tokens=0):
+        from . import transformers as ff_hf
+        if self.config._attn_implementation != ff_hf.NAME:
+            return super().compute_bias(query_length, key_length, device, past_seen_tokens)
+        from ..ops.attention import RelativePositionBias
+        table = self.relative_attention_bias.weight
+        bias = RelativePositionBias(table, bidirectional=not self.is_decoder,
+                                    max_distance=self.relative_attention_max_distance)
+        return ff_hf.relative_bias_placeholder(bias, int(past_seen_tokens), query_length,
+                                               key_length)
+
+
+def _convert_t5_attention(m: nn.Module) -> Optional[str]:
+    if not getattr(m, "has_relative_attention_bias", False):
+        return "no relative-position table (the layers that reuse the first layer's bias)"
+    if m.relative_attention_num_buckets != m.relative_attention_bias.weight.shape[0]:
+        return "the table's rows differ from relative_attention_num_buckets"
+    _swap(m, _T5RelativeBias)
+    return None
+
+
 # ---- the LM head and its loss ---------------------------------------------------------------------
 class _CausalLMLoss:
     """With labels: the decoder's hidden states into ff.linear_cross_entropy (the logits of the
@@ -361,6 +393,7 @@ _CONVERTERS.update({
     "T5DenseActDense": lambda m: _convert_act(m, getattr(m, "act", None), _T5DenseActDense),
     "T5DenseGatedActDense": lambda m: _convert_act(m, getattr(m, "act", None), _T5DenseGatedActDense),
     "GPT2LMHeadModel": _convert_causal_lm,
+    "T5Attention": _convert_t5_attention,
 })
 
 

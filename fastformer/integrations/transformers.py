@@ -30,7 +30,9 @@ transformers        ``ff.attention``
                     gradient comes from the backward)
 ``position_bias``   a float ``attn_mask`` added to the scores (T5's (1, H, Lq, Lk) bias, which
                     requires grad in training: its gradient comes from the backward), combined
-                    with the model's mask: bool -> -inf where masked, float -> added
+                    with the model's mask: bool -> -inf where masked, float -> added; after
+                    ``ff.convert``, T5's bias arrives as relative_bias_placeholder()'s tag and
+                    runs as ``ff.attention(position_bias=RelativePositionBias)`` (in-kernel)
 ==================  ===========================================================================
 
 Masks. transformers builds one mask per layer type and forward through
@@ -81,6 +83,20 @@ _KEY_MASK_TAG = "_fastformer_key_mask"
 _PACKED_TAG = "_fastformer_packed"
 
 
+# Set by relative_bias_placeholder() (T5Attention.compute_bias after ff.convert): (the
+# ff.RelativePositionBias, past_seen_tokens, Lq, Lk).
+_REL_BIAS_TAG = "_fastformer_rel_bias"
+
+
+def relative_bias_placeholder(bias, past: int, Lq: int, Lk: int) -> Tensor:
+    """What a converted T5Attention.compute_bias returns in place of the (1, H, Lq, Lk) bias:
+    a 0-dim tensor tagged with the bias object (T5 only passes position_bias on, from its first
+    layer to the others and into the attention function)."""
+    placeholder = bias.table.new_zeros(())
+    setattr(placeholder, _REL_BIAS_TAG, (bias, past, Lq, Lk))
+    return placeholder
+
+
 # ---- the attention function --------------------------------------------------------------------
 def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                       attention_mask: Optional[Tensor], dropout: float = 0.0,
@@ -127,12 +143,24 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
             attn_mask = attention_mask
             if attn_mask.dtype != torch.bool:
                 attn_mask = attn_mask.to(query.dtype)
+    relative = None
     if position_bias is not None:
-        attn_mask = _with_bias(position_bias, attn_mask, query.dtype)
+        relative = getattr(position_bias, _REL_BIAS_TAG, None)
+        if relative is not None:
+            relative, past, bias_lq, bias_lk = relative
+            if (bias_lq, bias_lk) != (Lq, Lk):
+                raise ValueError(f"fastformer attention: T5's position bias was computed for "
+                                 f"(Lq, Lk) = {(bias_lq, bias_lk)}, the call has {(Lq, Lk)}")
+            # The kernels offset the relative positions by the causal alignment's diagonal
+            # (Lk - Lq bottom-right, else 0); T5 offsets them by the tokens already cached.
+            if past != (Lk - Lq if causal_arg == "bottom_right" else 0):
+                position_bias, relative = relative.materialize(Lq, Lk, past), None
+        if relative is None:
+            attn_mask = _with_bias(position_bias, attn_mask, query.dtype)
     out = attention(query, key, value, causal=causal_arg, key_padding_mask=key_padding_mask,
                     attn_mask=attn_mask, scale=scaling, dropout_p=float(dropout),
                     window=(window_left, -1) if window_left >= 0 else None,
-                    softcap=softcap if softcap else None, sinks=s_aux)
+                    softcap=softcap if softcap else None, sinks=s_aux, position_bias=relative)
     # (B, H, Lq, D) stored as (B, Lq, H, D): the transpose is the contiguous tensor, no copy.
     return out.transpose(1, 2), None
 
