@@ -225,6 +225,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("rotary", &cb::rotary, py::arg("x"), py::arg("o"), py::arg("conj") = false);
   m.def("ffn_fwd", &cb::ffn_fwd);
   m.def("ffn_bwd", &cb::ffn_bwd);
+  m.def("ffn_act_fwd", &cb::ffn_act_fwd, py::arg("gate"), py::arg("up"), py::arg("activation"));
+  m.def("ffn_act_bwd", &cb::ffn_act_bwd, py::arg("dh"), py::arg("gate"), py::arg("up"),
+        py::arg("activation"), py::arg("need_h"));
   m.def("lce_rows", &cb::lce_rows, "linear_cross_entropy: the row pass over a chunk of logits");
   m.def("lce_pair_add", &cb::lce_pair_add, "hi + lo += p (compensated bf16/fp16 accumulation)");
 #ifdef FASTFORMER_WITH_CUDA

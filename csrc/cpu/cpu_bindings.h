@@ -615,6 +615,76 @@ inline std::vector<Tensor> ffn_bwd(const Tensor& dy, const Tensor& x, const Tens
   return {dx, dw1, db1, dw2, db2, dw_up, db_up};
 }
 
+// ---- the FFN's activation / gate, one elementwise pass (the cpu.onednn route) ---------------
+// ffn_act_fwd(gate, up, activation) -> h = act(gate) [* up]
+// ffn_act_bwd(dh, gate, up, activation, need_h) -> {d_gate, d_up (gated), h (need_h; written
+//   over dh, which the caller must own)}
+// gate / up / dh: (rows, F) with contiguous rows (gate and up may be the halves of one buffer).
+inline void check_act_operand(const Tensor& t, const Tensor& like, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type() &&
+                  (t.stride(1) == 1 || t.size(1) <= 1) && t.device() == like.device(),
+              "fastformer._C.ffn_act: ", what, " must be a (rows, F) matrix with contiguous rows "
+              "in the pre-activation's shape, dtype and device");
+}
+
+inline cpu::FfnActArgs ffn_act_args(const Tensor& gate, const optional<Tensor>& up,
+                                    int64_t activation) {
+  check_cpu(gate, "ffn_act");
+  check_act_operand(gate, gate, "gate");
+  cpu::FfnActArgs a;
+  a.dtype = to_dtype(gate);
+  a.activation = static_cast<int32_t>(activation);
+  a.rows = gate.size(0);
+  a.cols = gate.size(1);
+  a.gate = gate.data_ptr();
+  a.ld_gate = gate.stride(0);
+  if (const Tensor* u = present(up)) {
+    check_act_operand(*u, gate, "up");
+    a.up = u->data_ptr();
+    a.ld_up = u->stride(0);
+  }
+  return a;
+}
+
+inline void run_ffn_act(const cpu::FfnActArgs& a) {
+  if (a.rows == 0 || a.cols == 0) return;
+  KernelGilRelease no_gil;
+  cpu::kernels().ffn_act(a);
+}
+
+inline Tensor ffn_act_fwd(const Tensor& gate, const optional<Tensor>& up, int64_t activation) {
+  cpu::FfnActArgs a = ffn_act_args(gate, up, activation);
+  Tensor h = at::empty(gate.sizes(), gate.options());
+  a.h = h.data_ptr();
+  a.ld_h = h.stride(0);
+  run_ffn_act(a);
+  return h;
+}
+
+inline std::vector<Tensor> ffn_act_bwd(const Tensor& dh, const Tensor& gate,
+                                       const optional<Tensor>& up, int64_t activation,
+                                       bool need_h) {
+  cpu::FfnActArgs a = ffn_act_args(gate, up, activation);
+  check_act_operand(dh, gate, "dh");
+  a.dh = dh.data_ptr();
+  a.ld_dh = dh.stride(0);
+  Tensor d_gate = at::empty(gate.sizes(), gate.options()), d_up, h;
+  a.d_gate = d_gate.data_ptr();
+  a.ld_d_gate = d_gate.stride(0);
+  if (a.up) {
+    d_up = at::empty(gate.sizes(), gate.options());
+    a.d_up = d_up.data_ptr();
+    a.ld_d_up = d_up.stride(0);
+  }
+  if (need_h) {  // over dh: each element of dh is read before h's is written
+    h = dh;
+    a.h = h.data_ptr();
+    a.ld_h = h.stride(0);
+  }
+  run_ffn_act(a);
+  return {d_gate, d_up, h};
+}
+
 // ---- linear cross-entropy -------------------------------------------------------------------
 // The row pass over one chunk of logits (the chunk loop and its GEMMs run in
 // fastformer/reference/linear_cross_entropy.py): loss and lse per row (compute_loss), and / or

@@ -186,6 +186,28 @@ struct FfnArgs {
   void* db2 = nullptr;
 };
 
+// The FFN's activation / gate as one elementwise pass (csrc/cpu/ffn_elementwise.cpp):
+//   forward (dh == nullptr): h = act(gate) [* up]
+//   backward: d_gate = dh [* up] * act'(gate), d_up = dh * act(gate), h (when h != nullptr)
+// Every matrix (rows, cols) with column stride 1 and the given row stride (ld_*).
+struct FfnActArgs {
+  DType dtype;                       // every tensor
+  int32_t activation = 0;            // fastformer::Activation
+  int64_t rows = 0, cols = 0;
+  const void* gate = nullptr;        // the pre-activation
+  int64_t ld_gate = 0;
+  const void* up = nullptr;          // gated: the up projection; nullptr: not gated
+  int64_t ld_up = 0;
+  const void* dh = nullptr;          // backward: the gradient of h; nullptr: forward
+  int64_t ld_dh = 0;
+  void* h = nullptr;                 // forward: required; backward: optional
+  int64_t ld_h = 0;
+  void* d_gate = nullptr;            // backward
+  int64_t ld_d_gate = 0;
+  void* d_up = nullptr;              // backward, gated
+  int64_t ld_d_up = 0;
+};
+
 // ---- linear cross-entropy ------------------------------------------------------------------
 // The row pass over one chunk of logits of ff.linear_cross_entropy (the chunk loop and its GEMMs:
 // fastformer/reference/linear_cross_entropy.py; the kernels: csrc/cpu/linear_cross_entropy.cpp).
@@ -223,6 +245,7 @@ struct PairAddArgs {
   X(attention_bwd, AttnArgs)       \
   X(ffn_fwd, FfnArgs)              \
   X(ffn_bwd, FfnArgs)              \
+  X(ffn_act, FfnActArgs)           \
   X(rotary, RotaryArgs)            \
   X(lce_rows, LceRowsArgs)         \
   X(lce_pair_add, PairAddArgs)

@@ -49,23 +49,11 @@
 
 #include "common/activations.h"
 #include "common/philox.h"
+#include "cpu/act_vec.h"
 #include "cpu/cpu_kernels.h"
 #include "cpu/gemm_packed.h"
 #include "cpu/philox_vec.h"
 #include "cpu/vec_utils.h"
-
-// Vector activation math for activations.h (the scalar specializations live there).
-namespace fastformer {
-template <typename A>
-struct ActMath<at::vec::Vectorized<A>> {
-  using V = at::vec::Vectorized<A>;
-  static V exp(const V& x) { return x.exp(); }
-  static V erf(const V& x) { return x.erf(); }
-  static V tanh(const V& x) { return x.tanh(); }
-  static V relu(const V& x) { return V::blendv(x, V(A(0)), x < V(A(0))); }  // NaN stays NaN
-  static V step(const V& x) { return (x > V(A(0))) & V(A(1)); }
-};
-}  // namespace fastformer
 
 namespace fastformer::cpu::CPU_CAPABILITY {
 namespace {

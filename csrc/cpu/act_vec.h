@@ -1,0 +1,20 @@
+// Vector activation math for common/activations.h (the scalar specializations live there): the
+// ActMath specialization for at::vec::Vectorized, shared by the fused FFN (ffn.cpp) and the
+// elementwise FFN pass (ffn_elementwise.cpp).
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+
+#include "common/activations.h"
+
+namespace fastformer {
+template <typename A>
+struct ActMath<at::vec::Vectorized<A>> {
+  using V = at::vec::Vectorized<A>;
+  static V exp(const V& x) { return x.exp(); }
+  static V erf(const V& x) { return x.erf(); }
+  static V tanh(const V& x) { return x.tanh(); }
+  static V relu(const V& x) { return V::blendv(x, V(A(0)), x < V(A(0))); }  // NaN stays NaN
+  static V step(const V& x) { return (x > V(A(0))) & V(A(1)); }
+};
+}  // namespace fastformer

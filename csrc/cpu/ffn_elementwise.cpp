@@ -1,0 +1,81 @@
+// The FFN's activation and gate as one elementwise pass over (rows, F), for the route whose
+// GEMMs are torch's (fastformer/ops/ffn.py: cpu.onednn, bf16 on CPUs with AVX512-BF16 / AMX
+// dot products, and fp32 calls of a few rows). With g the pre-activation (the GEMM output with
+// its bias) and, gated, u the up projection (formulas: common/activations.h):
+//   forward:   h = act(g)            gated: h = act(g) * u
+//   backward:  d g = dh * act'(g)    gated: d g = dh * u * act'(g), d u = dh * act(g)
+//              and h again when the caller needs it (d W_down = dy^T h): the forward saves g
+//              (and u) only, never h.
+// Per element: read g (u, dh), write h (d g, d u) once, the math in fp32 (fp64 for fp64) and
+// one rounding per output. Eager PyTorch's SwiGLU backward makes three passes over saved
+// act(g), u and dh plus the autograd sums; recomputing act(g) here costs a few vector
+// instructions per element, against a memory pass saved.
+// One task per block of rows (at::parallel_for); rows are contiguous (column stride 1), any row
+// stride (g and u are the two halves of one (rows, 2F) buffer).
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#include "common/activations.h"
+#include "cpu/act_vec.h"
+#include "cpu/cpu_kernels.h"
+#include "cpu/vec_utils.h"
+
+namespace fastformer::cpu::CPU_CAPABILITY {
+namespace {
+
+constexpr int64_t kElementsPerTask = 32768;  // parallel grain: enough work to pay a wake-up
+
+template <typename T, Activation Act>
+void ffn_act_typed(const FfnActArgs& a) {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  using M = ActMath<V>;
+  constexpr int64_t kV = V::size();
+  const int64_t n = a.cols;
+  const bool gated = a.up != nullptr, backward = a.dh != nullptr;
+  const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(n, 1));
+  at::parallel_for(0, a.rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = static_cast<const T*>(a.gate) + r * a.ld_gate;
+      const T* u = gated ? static_cast<const T*>(a.up) + r * a.ld_up : nullptr;
+      const T* dh = backward ? static_cast<const T*>(a.dh) + r * a.ld_dh : nullptr;
+      T* h = a.h ? static_cast<T*>(a.h) + r * a.ld_h : nullptr;
+      T* dg = backward ? static_cast<T*>(a.d_gate) + r * a.ld_d_gate : nullptr;
+      T* du = backward && gated ? static_cast<T*>(a.d_up) + r * a.ld_d_up : nullptr;
+      for (int64_t c = 0; c < n; c += kV) {
+        const int64_t w = std::min(kV, n - c);
+        const V gv = w == kV ? load_acc(g + c) : load_acc(g + c, w);
+        const V uv = gated ? (w == kV ? load_acc(u + c) : load_acc(u + c, w)) : V(A(1));
+        if (!backward) {
+          V hv = activation<Act, V, M>(gv);
+          if (gated) hv = hv * uv;
+          store_acc(h + c, hv, w);
+          continue;
+        }
+        const ValueGrad<V> act = activation_value_grad<Act, V, M>(gv);
+        const V dhv = w == kV ? load_acc(dh + c) : load_acc(dh + c, w);
+        if (gated) {
+          store_acc(du + c, dhv * act.value, w);
+          store_acc(dg + c, dhv * uv * act.grad, w);
+          if (h) store_acc(h + c, act.value * uv, w);
+        } else {
+          store_acc(dg + c, dhv * act.grad, w);
+          if (h) store_acc(h + c, act.value, w);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void ffn_act(const FfnActArgs& args) {
+  dispatch_dtype(args.dtype, [&](auto tag) {
+    dispatch_activation(static_cast<Activation>(args.activation), [&](auto act) {
+      ffn_act_typed<decltype(tag), decltype(act)::value>(args);
+    });
+  });
+}
+
+}  // namespace fastformer::cpu::CPU_CAPABILITY
