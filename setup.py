@@ -231,10 +231,11 @@ setup(
     package_dir={"fastformer.triton_kernels": "triton_kernels",
                  "fastformer.benchmarks": "benchmarks"},
     package_data={"fastformer.benchmarks": ["*.sh"]},
-    install_requires=["torch>=2.4", "numpy"],
+    install_requires=["torch>=2.4", "numpy", "tqdm"],  # tqdm: fastformer-bench's progress
     extras_require={
         "triton": ["triton>=3.0"],
-        "plot": ["matplotlib"],
+        "bench": ["matplotlib", "tqdm"],  # fastformer-bench --plot
+        "plot": ["matplotlib"],           # the former name of "bench"
         "test": ["pytest", "hypothesis", "numpy"],
     },
     entry_points={"console_scripts": ["fastformer-bench=fastformer.bench:main"]},

@@ -32,9 +32,15 @@ import torch.nn.functional as F
 
 import fastformer as ff
 
-from .common import Row, max_abs_err
+from .common import Row, max_abs_err, policy_tolerance
 
 SHAPES = [(8, 12, 128, 64), (4, 8, 512, 64), (1, 8, 2048, 64), (1, 16, 4096, 128)]
+# The default run: a BERT-sized inference call and a causal training step at L = 2048.
+QUICK_CASES = [((8, 12, 128, 64), False, "fwd"), ((1, 8, 2048, 64), True, "fwd+bwd")]
+# Verdict bound on max_err (common.policy_tolerance): an output is a convex combination of
+# rows of v ~ N(0, 1), so |y| <= max |v| ~ 5.5 at the largest shape; eager math's own max
+# error on these inputs, bf16 0.012 and fp16 0.0027.
+TOLERANCE = policy_tolerance(magnitude=5.5, eager_err={"bfloat16": 0.012, "float16": 0.0027})
 MEMORY_SHAPE = (1, 8, 8192, 64)  # fwd+bwd peak memory: the score matrix alone would be 2 GiB
 BUDGET_S = float(os.environ.get("FASTFORMER_BENCH_BUDGET_S", "20"))
 CALIBRATION = (1, 4, 256, 64)
@@ -85,17 +91,20 @@ def _rate(name, dtype, mode, device):
 
 
 def cases(device: str, dtypes: list, quick: bool = False):
-    shapes = SHAPES[:2] if quick else SHAPES
-    for shape in shapes:
+    """Every case; quick: the representative ones fastformer-bench runs without --full."""
+    if quick:
+        for shape, causal, mode in QUICK_CASES:
+            for dtype in dtypes:
+                yield dict(shape=shape, dtype=dtype, causal=causal, mode=mode, device=device)
+        return
+    for shape in SHAPES:
         for dtype in dtypes:
             for causal in (False, True):
                 for mode in ("fwd", "fwd+bwd"):
                     yield dict(shape=shape, dtype=dtype, causal=causal, mode=mode, device=device)
-    if not quick and torch.float32 in dtypes:
+    if torch.float32 in dtypes:
         yield dict(shape=MEMORY_SHAPE, dtype=torch.float32, causal=False, mode="fwd+bwd",
                    device=device, memory_only=True)
-    if quick:
-        return
     for dtype in dtypes:
         for mode in ("fwd", "fwd+bwd"):
             yield dict(variant="window", shape=WINDOW_SHAPE, dtype=dtype, causal=True, mode=mode,

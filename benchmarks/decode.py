@@ -8,7 +8,7 @@ attention calls on torch >= 2.5); eager = transformers' eager attention (repeat_
 softmax, matmul). Work: the bytes of K and V read (the step is memory-bound), so the table's
 GB/s is the cache read rate.
 
-Generate case (not in --quick): greedy ``model.generate`` of a Llama-style model built from its
+Generate case (--full only): greedy ``model.generate`` of a Llama-style model built from its
 config with random weights (4 layers, d = 1024, 16 query / 4 kv heads, prompt 2048, 128 new
 tokens, batch 1, the dynamic cache): ``ff.convert(model)`` (ours: the attention backend, fused
 norms, residual adds and MLPs) and ``attn_implementation="fastformer"`` alone (ours_attn) against
@@ -22,16 +22,32 @@ import torch.nn.functional as F
 
 import fastformer as ff
 
-from .common import Row, max_abs_err
+from .common import Row, max_abs_err, policy_tolerance
 
 HEADS, KV_HEADS, HEAD_DIM, CACHE = 32, 8, 128, 4096
 KERNEL_CASES = [  # (batch, new queries, paged)
     (1, 1, False), (8, 1, False), (1, 4, False), (1, 1, True),
 ]
 GENERATE = dict(layers=4, hidden=1024, heads=16, kv_heads=4, prompt=2048, new_tokens=128)
+# Verdict bound on a step's max_err (common.policy_tolerance): the outputs, averages over 4096
+# values of v, reach |y| ~ 0.12; eager's own max error on these inputs, bf16 0.0011 and fp16
+# 0.00018. A generate row's max_err counts the tokens that differ from sdpa's: none may in
+# fp32; in bf16 greedy decoding parts ways at the first near-tie (9 of 128 tokens measured),
+# which no error bound describes, so the row is reported, not judged.
+TOLERANCE = policy_tolerance(magnitude=0.15, eager_err={"bfloat16": 0.0011, "float16": 0.00018})
+GENERATE_TOLERANCE = {"float32": 0.0}
+TOLERANCE_NOTE = "HF generate rows, --full: tokens differing from sdpa's, none in fp32, bf16 unjudged"
+
+
+def tolerance(row) -> float:
+    if row.case.startswith("HF generate"):
+        return GENERATE_TOLERANCE.get(row.dtype)
+    return TOLERANCE.get(row.dtype)
 
 
 def cases(device: str, dtypes: list, quick: bool = False):
+    """Every case; quick: the representative one fastformer-bench runs without --full (a
+    batch-1 decode step)."""
     for B, Lq, paged in (KERNEL_CASES[:1] if quick else KERNEL_CASES):
         for dtype in dtypes:
             yield dict(kind="step", B=B, Lq=Lq, paged=paged, dtype=dtype, device=device, mode="fwd")

@@ -24,9 +24,14 @@ import torch.nn.functional as F
 
 import fastformer as ff
 
-from .common import Row, max_abs_err
+from .common import Row, max_abs_err, policy_tolerance
 
 SHAPES = [(4096, 1024, 32000)]
+QUICK_SHAPES = [(1024, 1024, 32000)]  # the default run: a training step at 1024 tokens
+# Verdict bound on max_err (common.policy_tolerance): dominated by the loss, ~10.9 on these
+# inputs; eager's own error of it, bf16 0.0375 and fp16 0.0016 (its loss in the logits' dtype;
+# ours comes out in fp32, measured 2e-5 off in bf16).
+TOLERANCE = policy_tolerance(magnitude=11, eager_err={"bfloat16": 0.0375, "float16": 0.0016})
 ERR_TOKENS = 256
 COMPILE_BUDGET_S = float(os.environ.get("FASTFORMER_BENCH_COMPILE_BUDGET_S", "300"))
 
@@ -50,9 +55,11 @@ def _compiled_eager():
 
 
 def cases(device: str, dtypes: list, quick: bool = False):
-    for tokens, d, vocab in SHAPES:
+    """Every case; quick: the representative ones fastformer-bench runs without --full."""
+    shapes, modes = (QUICK_SHAPES, ("fwd+bwd",)) if quick else (SHAPES, ("fwd+bwd", "fwd"))
+    for tokens, d, vocab in shapes:
         for dtype in dtypes:
-            for mode in ("fwd+bwd", "fwd"):
+            for mode in modes:
                 yield dict(shape=(tokens, d, vocab), dtype=dtype, mode=mode, device=device)
 
 
