@@ -225,6 +225,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("rotary", &cb::rotary, py::arg("x"), py::arg("o"), py::arg("conj") = false);
   m.def("ffn_fwd", &cb::ffn_fwd);
   m.def("ffn_bwd", &cb::ffn_bwd);
+  m.def("linear_rows", &cb::linear_rows, py::arg("x"), py::arg("weight"), py::arg("bias"));
   m.def("ffn_act_fwd", &cb::ffn_act_fwd, py::arg("gate"), py::arg("up"), py::arg("activation"));
   m.def("ffn_act_bwd", &cb::ffn_act_bwd, py::arg("dh"), py::arg("gate"), py::arg("up"),
         py::arg("activation"), py::arg("need_h"));

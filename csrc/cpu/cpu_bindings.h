@@ -685,6 +685,45 @@ inline std::vector<Tensor> ffn_act_bwd(const Tensor& dh, const Tensor& gate,
   return {d_gate, d_up, h};
 }
 
+// ---- few-row linear (decoding) ------------------------------------------------------------------
+// linear_rows(x (rows <= 8, in), weight (out, in), bias) -> x W^T + b in x's dtype. x and bias
+// are converted to f32 (a few rows), the weight is read in place.
+inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<Tensor>& bias) {
+  check_cpu(weight, "linear_rows");
+  const auto wt = weight.scalar_type();
+  TORCH_CHECK(weight.dim() == 2 && (weight.stride(1) == 1 || weight.size(1) <= 1) &&
+                  (wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf),
+              "fastformer._C.linear_rows: weight must be an f32/bf16/f16 (out, in) matrix with "
+              "contiguous rows");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8 && x.size(1) == weight.size(1) &&
+                  x.scalar_type() == wt,
+              "fastformer._C.linear_rows: x must be (1..8, in) in the weight's dtype");
+  const Tensor xf = x.to(at::kFloat).contiguous();
+  const Tensor* b = present(bias);
+  Tensor bf;
+  if (b) {
+    TORCH_CHECK(b->dim() == 1 && b->size(0) == weight.size(0) && b->scalar_type() == wt,
+                "fastformer._C.linear_rows: bias must be (out,) in the weight's dtype");
+    bf = b->to(at::kFloat).contiguous();
+  }
+  Tensor y = at::empty({x.size(0), weight.size(0)}, x.options().dtype(at::kFloat));
+  cpu::LinearRowsArgs a;
+  a.dtype = to_dtype(weight);
+  a.rows = x.size(0);
+  a.in_features = weight.size(1);
+  a.out_features = weight.size(0);
+  a.weight = weight.data_ptr();
+  a.ld_weight = weight.stride(0);
+  a.x = xf.data_ptr<float>();
+  a.bias = b ? bf.data_ptr<float>() : nullptr;
+  a.y = y.data_ptr<float>();
+  if (a.out_features > 0) {
+    KernelGilRelease no_gil;
+    cpu::kernels().linear_rows(a);
+  }
+  return wt == at::kFloat ? y : y.to(wt);
+}
+
 // ---- linear cross-entropy -------------------------------------------------------------------
 // The row pass over one chunk of logits (the chunk loop and its GEMMs run in
 // fastformer/reference/linear_cross_entropy.py): loss and lse per row (compute_loss), and / or

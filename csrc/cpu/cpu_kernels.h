@@ -208,6 +208,18 @@ struct FfnActArgs {
   int64_t ld_d_up = 0;
 };
 
+// y = x W^T (+ b) for 1-8 rows of x (csrc/cpu/linear_rows.cpp): the decode-time projections.
+struct LinearRowsArgs {
+  DType dtype;                       // the weight's (f32, bf16, f16); x, bias and y are f32
+  int64_t rows = 0;                  // 1..8
+  int64_t in_features = 0, out_features = 0;
+  const void* weight = nullptr;      // (out, in), row stride ld_weight, column stride 1
+  int64_t ld_weight = 0;
+  const float* x = nullptr;          // (rows, in) contiguous
+  const float* bias = nullptr;       // (out,) or nullptr
+  float* y = nullptr;                // (rows, out) contiguous
+};
+
 // ---- linear cross-entropy ------------------------------------------------------------------
 // The row pass over one chunk of logits of ff.linear_cross_entropy (the chunk loop and its GEMMs:
 // fastformer/reference/linear_cross_entropy.py; the kernels: csrc/cpu/linear_cross_entropy.cpp).
@@ -246,6 +258,7 @@ struct PairAddArgs {
   X(ffn_fwd, FfnArgs)              \
   X(ffn_bwd, FfnArgs)              \
   X(ffn_act, FfnActArgs)           \
+  X(linear_rows, LinearRowsArgs)   \
   X(rotary, RotaryArgs)            \
   X(lce_rows, LceRowsArgs)         \
   X(lce_pair_add, PairAddArgs)

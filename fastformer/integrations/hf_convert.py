@@ -22,6 +22,8 @@ T5 feed-forward             DenseReluDense on ``ff.ffn`` (dropout fused); the ga
                             ``ff.swiglu_ffn`` when no dropout runs
 T5 attention's bias         ``ff.RelativePositionBias`` on the layer's table, computed inside the
                             attention kernels (no (1, H, Lq, Lk) bias tensor)
+nn.Linear (every one)       calls of 1-8 rows without autograd (decode steps) on ops/linear.py's
+                            kernel, which reads the weights at up to 3x torch's GEMV rate
 CausalLM heads              with ``labels``: ``ff.linear_cross_entropy`` on the hidden states
                             (the logits are not materialized and not returned, as Liger-Kernel)
 ==========================  =====================================================================
@@ -42,6 +44,7 @@ import torch
 from torch import nn
 
 from ..ops.ffn import ffn, swiglu_ffn
+from ..ops.linear import linear
 from ..ops.norm import add_layer_norm, rms_norm
 
 _SWAPPED: dict = {}
@@ -300,6 +303,16 @@ class _T5DenseGatedActDense:
                           activation=self._ff_act)
 
 
+# ---- linear layers ---------------------------------------------------------------------------------
+class _FewRowsLinear:
+    """nn.Linear whose few-row calls without autograd (decode steps) read the weights with
+    ops/linear.py's kernel; every other call is F.linear, as before."""
+    _ff_what = "ff linear (decode-time rows on the few-row kernel)"
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
+
+
 # ---- T5's relative-position bias ------------------------------------------------------------------
 class _T5RelativeBias:
     """compute_bias returns a placeholder that carries an ff.RelativePositionBias over the
@@ -394,6 +407,7 @@ _CONVERTERS.update({
     "T5DenseGatedActDense": lambda m: _convert_act(m, getattr(m, "act", None), _T5DenseGatedActDense),
     "GPT2LMHeadModel": _convert_causal_lm,
     "T5Attention": _convert_t5_attention,
+    "Linear": lambda m: _swap(m, _FewRowsLinear) if type(m) is nn.Linear else "a subclass of nn.Linear",
 })
 
 

@@ -26,6 +26,7 @@ from ..backends import EVERY_OPTION, GPU_FLOAT, Impl
 from ..reference import ffn as ref
 from ..reference.ffn import ACTIVATIONS
 from ..reference.rng import draw_rng_state
+from .linear import rows_kernel_takes, rows_linear
 from ._opdef import OpDef, Options, compiled, needs_grad, options, rowwise
 
 _ACT_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
@@ -240,6 +241,13 @@ class _CpuOnednn(_VendorGemm):
     @staticmethod
     def gated_bwd(dh, g, u, act, need_h):
         return tuple(_ext.C.ffn_act_bwd(dh, g, u, act, need_h))
+
+    @staticmethod
+    def _linear(a, w, b, out=None):
+        if rows_kernel_takes(a, w, b):  # decode-time rows: ops/linear.py
+            y = rows_linear(a, w, b)
+            return y if out is None else out.copy_(y)
+        return _VendorGemm._linear(a, w, b, out)
 
     def reasons(self, call):
         why = super().reasons(call)

@@ -1,0 +1,75 @@
+"""ops/linear.py (csrc/cpu/linear_rows.cpp): x @ W^T + b for the few-row calls of decoding,
+against the fp64 product, across rows 1-8, odd feature counts (vector tails), biases, strided
+weight rows and the dtypes it takes; the calls it does not take return F.linear's result."""
+import pytest
+import torch
+import torch.nn.functional as F
+from oracle import LOWP_ATOL, OUT_FACTOR, assert_lowp_rule
+
+import fastformer as ff
+from fastformer.ops import linear as lin
+
+pytestmark = pytest.mark.skipif(ff._ext.C is None or not hasattr(ff._ext.C, "linear_rows"),
+                                reason="fastformer._C is not built")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("in_f,out_f", [(1, 1), (17, 203), (40, 113), (128, 72), (80, 1)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_fp64_product(dtype, rows, in_f, out_f, bias):
+    g = torch.Generator().manual_seed(rows * 1000 + in_f + out_f)
+    x = torch.randn(rows, in_f, generator=g).to(dtype)
+    w_full = torch.randn(out_f, in_f + 5, generator=g).to(dtype)
+    w = w_full[:, 2:2 + in_f]  # row stride in_f + 5: strided rows, contiguous columns
+    b = torch.randn(out_f, generator=g).to(dtype) if bias else None
+    got = ff._ext.C.linear_rows(x, w, b)
+    want = F.linear(x.double(), w.double(), b.double() if bias else None)
+    assert got.dtype == dtype and got.shape == (rows, out_f)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), want, atol=1e-5 * (in_f ** 0.5), rtol=1e-5)
+    else:  # one rounding of an fp32 sum: at or below torch's own low-precision error
+        assert_lowp_rule("y", got, want, F.linear(x, w, b), OUT_FACTOR, LOWP_ATOL[dtype])
+
+
+def test_linear_uses_the_kernel_only_where_it_is_measured_faster():
+    w = torch.randn(64, 32)
+    assert lin.rows_kernel_takes(torch.randn(8, 32), w, None)
+    assert not lin.rows_kernel_takes(torch.randn(9, 32), w, None)          # more rows: GEMM
+    wb = w.bfloat16()
+    assert lin.rows_kernel_takes(torch.randn(1, 32).bfloat16(), wb, None)
+    assert not lin.rows_kernel_takes(torch.randn(2, 32).bfloat16(), wb, None)
+    assert not lin.rows_kernel_takes(torch.randn(1, 32).double(), w.double(), None)
+    assert not lin.rows_kernel_takes(torch.randn(1, 32), w.t().contiguous().t(), None)  # column stride
+
+
+def test_linear_with_autograd_is_f_linear_and_has_gradients():
+    x = torch.randn(2, 1, 24, requires_grad=True)
+    w = torch.randn(40, 24, requires_grad=True)
+    y = lin.linear(x, w)
+    assert y.grad_fn is not None
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, w.sum(0).expand(2, 1, 24))
+    with torch.no_grad():
+        got = lin.linear(x, w, torch.zeros(40))
+    torch.testing.assert_close(got, F.linear(x, w).detach(), atol=1e-5, rtol=1e-5)
+    assert got.shape == (2, 1, 40)
+
+
+def test_converted_llama_decode_step_runs_the_kernel(monkeypatch):
+    """ff.convert's nn.Linear and MLP take the kernel for a decode step (parameters included),
+    and the logits match the unconverted model's."""
+    transformers = pytest.importorskip("transformers", reason="needs transformers")
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96,
+                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ours = ff.convert(model, inplace=False).model
+    calls = []
+    real = ff._ext.C.linear_rows
+    monkeypatch.setattr(ff._ext.C, "linear_rows", lambda *a: calls.append(1) or real(*a), raising=False)
+    ids = torch.tensor([[5]])
+    with torch.no_grad():
+        got, want = ours(ids).logits, model(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert len(calls) == 2 * (4 + 3) + 1  # per layer q, k, v, o and the MLP's three; the LM head
