@@ -1,7 +1,8 @@
 """Feed-forward suite: ff.ffn / ff.swiglu_ffn vs eager PyTorch.
 
 Eager is what a PyTorch user writes: ``F.linear(act(F.linear(x, w1, b1)), w2, b2)`` and the
-SwiGLU ``F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)``. FLOPs: forward 2*N*D*F per
+SwiGLU ``F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)`` (GeGLU: F.gelu(approximate=
+"tanh") in place of F.silu). FLOPs: forward 2*N*D*F per
 GEMM (2 GEMMs, 3 gated), backward twice the forward (d input and d weight of every GEMM).
 
 Saved for the backward: the bytes of the tensors autograd keeps (torch.autograd.graph.
@@ -28,7 +29,11 @@ from .common import Row, max_abs_err, policy_tolerance
 
 # (tokens, d_model, dim_feedforward, activation, gated)
 SHAPES = [(4096, 768, 3072, "relu", False), (4096, 768, 3072, "gelu", False),
-          (8192, 1024, 4096, "gelu", False), (2048, 4096, 11008, "silu", True)]
+          (8192, 1024, 4096, "gelu", False), (2048, 4096, 11008, "silu", True),
+          (2048, 2048, 5632, "gelu_tanh", True)]
+# Decode-time MLPs (inference only): 1 and 16 token rows through a Llama-7B-sized SwiGLU, where
+# reading the weights is the cost.
+DECODE_SHAPES = [(1, 4096, 11008, "silu", True), (16, 4096, 11008, "silu", True)]
 # The default run: a training step of a BERT-base FFN and of a SwiGLU (the Llama ratio 2.75),
 # at 1024 tokens (a quarter of SHAPES' tokens, to keep the run short).
 QUICK_SHAPES = [(1024, 768, 3072, "gelu", False), (1024, 1024, 2816, "silu", True)]
@@ -41,13 +46,14 @@ TOLERANCE = policy_tolerance(magnitude=4, eager_err={"bfloat16": 0.013, "float16
 BUDGET_S = float(os.environ.get("FASTFORMER_BENCH_BUDGET_S", "40"))
 CALIBRATION = (256, 256, 1024)
 ERR_TOKENS = 256
-_ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}
+_ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu,
+        "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
 
 
 def _eager(x, w, act, gated):
     if gated:
         wg, wu, wd = w
-        return F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+        return F.linear(_ACT[act](F.linear(x, wg)) * F.linear(x, wu), wd)
     w1, b1, w2, b2 = w
     return F.linear(_ACT[act](F.linear(x, w1, b1)), w2, b2)
 
@@ -124,8 +130,9 @@ def saved_bytes(fn, exclude) -> int:
 
 def cases(device: str, dtypes: list, quick: bool = False):
     """Every case; quick: the representative ones fastformer-bench runs without --full."""
-    shapes, modes = (QUICK_SHAPES, ("fwd+bwd",)) if quick else (SHAPES, ("fwd", "fwd+bwd"))
-    for tokens, d, hidden, act, gated in shapes:
+    shapes = [(s, ("fwd+bwd",)) for s in QUICK_SHAPES] if quick else (
+        [(s, ("fwd", "fwd+bwd")) for s in SHAPES] + [(s, ("fwd",)) for s in DECODE_SHAPES])
+    for (tokens, d, hidden, act, gated), modes in shapes:
         for dtype in dtypes:
             for mode in modes:
                 yield dict(shape=(tokens, d, hidden), act=act, gated=gated, dtype=dtype,
@@ -135,7 +142,8 @@ def cases(device: str, dtypes: list, quick: bool = False):
 def case_name(c: dict) -> str:
     """The row's case name, known before build() allocates anything (single_call filters on it)."""
     tokens, d, hidden = c["shape"]
-    kind = "swiglu" if c["gated"] else f"ffn {c['act']}"
+    kind = ({"silu": "swiglu", "gelu_tanh": "geglu"}.get(c["act"], f"gated {c['act']}")
+            if c["gated"] else f"ffn {c['act']}")
     return f"{kind} ({tokens}, {d}, {hidden})"
 
 
