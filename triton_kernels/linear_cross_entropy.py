@@ -18,6 +18,15 @@ from .common import cast_to, tanh
 
 
 @triton.jit
+def _capped(row, idx, mask, cap, inv_cap, CAPPED: tl.constexpr):
+    """One block of the row's logits in fp32, softcapped when CAPPED (0 where masked)."""
+    s = tl.load(row + idx, mask=mask, other=0.0).to(tl.float32)
+    if CAPPED:
+        s = cap * tanh(s * inv_cap)
+    return s
+
+
+@triton.jit
 def lce_rows_kernel(
     z_ptr,            # (C, V) contiguous logits, overwritten by their gradient (WRITE_GRAD)
     target_ptr,       # (C,) int64
@@ -43,9 +52,7 @@ def lce_rows_kernel(
         for start in range(0, V, BLOCK_V):
             idx = start + cols
             mask = idx < V
-            s = tl.load(row + idx, mask=mask, other=0.0).to(tl.float32)
-            if CAPPED:
-                s = cap * tanh(s * inv_cap)
+            s = _capped(row, idx, mask, cap, inv_cap, CAPPED)
             if SMOOTHING:
                 s_sum += tl.sum(tl.where(mask, s, 0.0), 0)
             s = tl.where(mask, s, -float("inf"))
@@ -73,9 +80,7 @@ def lce_rows_kernel(
         for start in range(0, V, BLOCK_V):
             idx = start + cols
             mask = idx < V
-            s = tl.load(row + idx, mask=mask, other=0.0).to(tl.float32)
-            if CAPPED:
-                s = cap * tanh(s * inv_cap)
+            s = _capped(row, idx, mask, cap, inv_cap, CAPPED)
             g = tl.exp(s - lse) - eps_per_class - tl.where(idx == t, target_weight, 0.0)
             if CAPPED:
                 u = s * inv_cap

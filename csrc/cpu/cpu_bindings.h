@@ -686,8 +686,8 @@ inline std::vector<Tensor> ffn_act_bwd(const Tensor& dh, const Tensor& gate,
 }
 
 // ---- few-row linear (decoding) ------------------------------------------------------------------
-// linear_rows(x (rows <= 8, in), weight (out, in), bias) -> x W^T + b in x's dtype. x and bias
-// are converted to f32 (a few rows), the weight is read in place.
+// linear_rows(x (rows <= 8, in), weight (out, in), bias) -> x W^T + b in x's dtype. x is
+// converted to f32 (a few rows), the weight and bias are read in place.
 inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<Tensor>& bias) {
   check_cpu(weight, "linear_rows");
   const auto wt = weight.scalar_type();
@@ -700,12 +700,10 @@ inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<
               "fastformer._C.linear_rows: x must be (1..8, in) in the weight's dtype");
   const Tensor xf = x.to(at::kFloat).contiguous();
   const Tensor* b = present(bias);
-  Tensor bf;
-  if (b) {
-    TORCH_CHECK(b->dim() == 1 && b->size(0) == weight.size(0) && b->scalar_type() == wt,
-                "fastformer._C.linear_rows: bias must be (out,) in the weight's dtype");
-    bf = b->to(at::kFloat).contiguous();
-  }
+  TORCH_CHECK(!b || (b->dim() == 1 && b->size(0) == weight.size(0) && b->scalar_type() == wt &&
+                     b->is_contiguous()),
+              "fastformer._C.linear_rows: bias must be a contiguous (out,) vector in the weight's "
+              "dtype");
   Tensor y = at::empty({x.size(0), weight.size(0)}, x.options().dtype(at::kFloat));
   cpu::LinearRowsArgs a;
   a.dtype = to_dtype(weight);
@@ -715,7 +713,7 @@ inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<
   a.weight = weight.data_ptr();
   a.ld_weight = weight.stride(0);
   a.x = xf.data_ptr<float>();
-  a.bias = b ? bf.data_ptr<float>() : nullptr;
+  a.bias = b ? b->data_ptr() : nullptr;
   a.y = y.data_ptr<float>();
   if (a.out_features > 0) {
     KernelGilRelease no_gil;

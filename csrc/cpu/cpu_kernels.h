@@ -210,13 +210,13 @@ struct FfnActArgs {
 
 // y = x W^T (+ b) for 1-8 rows of x (csrc/cpu/linear_rows.cpp): the decode-time projections.
 struct LinearRowsArgs {
-  DType dtype;                       // the weight's (f32, bf16, f16); x, bias and y are f32
+  DType dtype;                       // the weight's and bias' (f32, bf16, f16); x and y are f32
   int64_t rows = 0;                  // 1..8
   int64_t in_features = 0, out_features = 0;
   const void* weight = nullptr;      // (out, in), row stride ld_weight, column stride 1
   int64_t ld_weight = 0;
   const float* x = nullptr;          // (rows, in) contiguous
-  const float* bias = nullptr;       // (out,) or nullptr
+  const void* bias = nullptr;        // (out,) contiguous in the weight's dtype, or nullptr
   float* y = nullptr;                // (rows, out) contiguous
 };
 

@@ -43,7 +43,8 @@ inline void weight_rows(const LinearRowsArgs& a, int64_t o) {
     for (int r = 0; r < R; ++r) {
       float s = reduce_add(acc[w][r]);
       for (int64_t i = full; i < I; ++i) s += static_cast<float>(wrow[i]) * a.x[r * I + i];
-      a.y[r * O + o + w] = s + (a.bias ? a.bias[o + w] : 0.0f);
+      const float b = a.bias ? static_cast<float>(static_cast<const T*>(a.bias)[o + w]) : 0.0f;
+      a.y[r * O + o + w] = s + b;
     }
   }
 }

@@ -41,7 +41,7 @@ def rows_kernel_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool
             and 1 <= rows <= MAX_ROWS.get(x.dtype, 0) and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and weight.stride(1) == 1
             and (bias is None or (_plain(bias) and bias.dtype == x.dtype
-                                  and bias.shape == (weight.shape[0],)))
+                                  and bias.shape == (weight.shape[0],) and bias.is_contiguous()))
             and _ext.C is not None and hasattr(_ext.C, "linear_rows")
             and not torch.compiler.is_compiling())
 
