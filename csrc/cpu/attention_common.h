@@ -524,8 +524,29 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
   const int64_t hi = cut ? sh.hi_end(qi, k0, n_keys) : n_keys;
   const V mul_v(mul), neg_inf(kNegInf<A>);
   V row_max(kNegInf<A>);
-  const InlineBias<A> inline_bias(a, sh, b, h, qi, k0);
   const bool inline_terms = sh.alibi || sh.rel;
+  if (!sh.bias_row && !inline_terms && sh.cap_out == A(0) && !d_cap) {
+    // Only the band and the padding columns (a causal or windowed tile, the most common cut):
+    // mul * S on the vectors that touch [lo, hi), -inf on the others. Its own loop: with the
+    // general one below (the option tests per vector, InlineBias per row) the causal fp32
+    // forward at (8, 12, 128, 64) took 3.82 ms instead of 3.48 on one thread (2-core Zen 5,
+    // six alternating rounds of 300-call medians).
+    const V iota = V::arange(A(0), A(1)), lo_v(static_cast<A>(lo)), hi_v(static_cast<A>(hi));
+    int64_t j = 0;
+    for (; j + kV <= lo; j += kV) neg_inf.store(s + j);
+    for (; j < hi; j += kV) {
+      V x = V::loadu(s + j) * mul_v;
+      if (j < lo || j + kV > hi) {
+        const V idx = iota + V(static_cast<A>(j));
+        x = V::blendv(neg_inf, x, (idx >= lo_v) & (idx < hi_v));
+      }
+      x.store(s + j);
+      row_max = at::vec::maximum(row_max, x);
+    }
+    for (; j < cols; j += kV) neg_inf.store(s + j);
+    return at::vec::vec_reduce_all<A>([](V& x, V& y) { return at::vec::maximum(x, y); }, row_max);
+  }
+  const InlineBias<A> inline_bias(a, sh, b, h, qi, k0);
   if (!sh.bias_row) {
     // Only the band and the padding columns (and the inline terms): transformed scores on
     // [lo, hi), -inf elsewhere (entries the causal tile GEMMs left unwritten included),
