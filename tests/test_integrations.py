@@ -334,6 +334,44 @@ def test_mask_function_leaves_the_window_to_the_kernel():
     assert chunked.shape == (2, 1, 24, 24)
 
 
+def test_mask_function_under_tracing_keeps_causality_in_the_kernel(monkeypatch):
+    """Traced (torch.compile, export) there are no tensor tags: a plain causal pattern comes back
+    as the untagged key mask (None without padding), read as causal from the module; a window,
+    which could not reach the kernel that way, as sdpa_mask's full mask."""
+    monkeypatch.setattr(ff_hf, "_tracing", lambda: True)
+    _, mask, _ = _inputs(L=24, pad=5)
+    assert ff_hf.build_mask(2, 24, 24) is None
+    keys = ff_hf.build_mask(2, 24, 24, attention_mask=mask)
+    assert keys.shape == (2, 24) and torch.equal(keys, mask.bool())
+    assert getattr(keys, ff_hf._KEY_MASK_TAG, None) is None
+    sliding = ff_hf.build_mask(2, 24, 24, attention_mask=mask,
+                               mask_function=masking_utils.sliding_window_causal_mask_function(7))
+    ref = masking_utils.sdpa_mask(batch_size=2, q_length=24, kv_length=24,
+                                  mask_function=masking_utils.sliding_window_causal_mask_function(7),
+                                  attention_mask=mask.bool(), allow_is_causal_skip=False)
+    assert sliding.shape == (2, 1, 24, 24) and torch.equal(sliding, ref)
+
+
+def test_compiled_llama_runs_causal_tiles_and_matches_eager():
+    ours, eager = _models(transformers.LlamaConfig, transformers.LlamaForCausalLM, vocab_size=VOCAB,
+                          hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          initializer_range=INIT)
+    ours.eval()
+    eager.eval()
+    ids, mask, _ = _inputs(L=24, pad=5, left=False)
+    compiled = torch.compile(ours, fullgraph=True)
+    for attention_mask in (None, mask):
+        torch._dynamo.reset()
+        with _spy() as calls, torch.no_grad():
+            got = compiled(input_ids=ids, attention_mask=attention_mask).logits
+            want = eager(input_ids=ids, attention_mask=attention_mask).logits
+        assert calls and all(c["causal"] == 1 and c["attn_mask"] is None for c in calls)
+        assert all(c["key_padding"] == (attention_mask is not None) for c in calls)
+        valid = (mask.bool() if attention_mask is not None else torch.ones_like(mask, dtype=torch.bool))
+        _rel_err("logits", got[valid], want[valid])
+
+
 def test_mistral_cache_decoding_matches_eager():
     """Chunked prefill and greedy decoding past the window (bottom-right causality with the
     window, sliding-window cache layers), with a left-padded batch."""
