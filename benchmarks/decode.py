@@ -17,6 +17,8 @@ ratio. The decode steps are memory-bound on the weights (torch's GEMVs, the same
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -125,9 +127,8 @@ def _build_generate(c: dict):
     base = LlamaForCausalLM(config).to(c["device"], c["dtype"]).eval()
     models = {}
     for name, impl in (("ours", "fastformer"), ("ours_attn", "fastformer"), ("sdpa", "sdpa")):
-        m = LlamaForCausalLM(config).to(c["device"], c["dtype"]).eval()
-        m.load_state_dict(base.state_dict())
-        m.config._attn_implementation = impl
+        m = copy.deepcopy(base)  # its own config: the attention implementation lives there
+        m.set_attn_implementation(impl)
         if name == "ours":
             ff.convert(m)
         models[name] = m

@@ -148,6 +148,42 @@ def test_conversion_keeps_parameters_and_state_dict(name):
     assert "fastformer" in text and ("ff.rms_norm" in text or "ff.add_layer_norm" in text or "ff.ffn" in text)
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2", "bert"])
+def test_converted_modules_keep_their_forward_signatures(name):
+    """transformers reads forward signatures (generate passes logits_to_keep only to a forward
+    that names it; the Trainer filters dataset columns by them): a converted module advertises
+    its original's."""
+    import inspect
+    model = _model(name)
+    before = {path: inspect.signature(m.forward) for path, m in model.named_modules()}
+    ff.convert(model)
+    # the mixins whose forward passes **kwargs on (the others name their parameters as the
+    # originals do)
+    passing = [(path, m) for path, m in model.named_modules()
+               if getattr(type(m), "_fastformer_original", None) is not None
+               and "**" in str(inspect.signature(vars(type(m).__mro__[1]).get("forward", lambda: 0)))]
+    assert passing or name == "bert"
+    assert [path for path, m in passing if inspect.signature(m.forward) != before[path]] == []
+    if name == "llama":
+        assert "logits_to_keep" in inspect.signature(model.forward).parameters
+        ids = _inputs(name)["input_ids"]
+        with torch.no_grad():
+            assert model(input_ids=ids, logits_to_keep=1).logits.shape == (2, 1, V)
+
+
+def test_generate_builds_only_the_last_positions_logits():
+    model = _model("llama").eval()
+    ff.convert(model)
+    shapes = []
+    head = model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda mod, args, out: shapes.append(tuple(out.shape)))
+    ids = _inputs("llama")["input_ids"]
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
+    hook.remove()
+    assert shapes and all(s[1] == 1 for s in shapes), shapes
+
+
 def test_report_lists_mlps_norms_and_layers_of_llama():
     report = ff.convert(_model("llama"))
     what = {(path.split(".")[-1], kind) for path, _, kind in report.replaced}

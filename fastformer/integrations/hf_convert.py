@@ -38,6 +38,8 @@ reason in the report.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Callable, Optional
 
 import torch
@@ -60,11 +62,29 @@ def _swap(module: nn.Module, mixin: type) -> None:
     cls = type(module)
     new = _SWAPPED.get((cls, mixin))
     if new is None:
-        new = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__,
-                                                "__qualname__": cls.__qualname__,
-                                                "_fastformer_original": cls})
+        body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                "_fastformer_original": cls}
+        forward = mixin.__dict__.get("forward")
+        if forward is not None and _passes_keywords_on(forward):
+            body["forward"] = _with_signature_of(forward, cls.forward)
+        new = type(cls.__name__, (mixin, cls), body)
         _SWAPPED[(cls, mixin)] = new
     module.__class__ = new
+
+
+def _passes_keywords_on(fn: Callable) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(fn).parameters.values())
+
+
+def _with_signature_of(forward: Callable, original: Callable) -> Callable:
+    """A forward that takes ``**kwargs`` on to the original's, advertising the original's
+    signature (and name, docs), which it accepts: transformers reads the
+    forward's parameters (generate passes ``logits_to_keep`` only to a forward that names it;
+    without it the converted Llama-style model's prefill built the logits of all 2048 prompt
+    positions, 250 MiB, instead of the last one's), and so does the Trainer's column filter."""
+    def converted_forward(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+    return functools.update_wrapper(converted_forward, original)
 
 
 def _same_dtype(x: torch.Tensor, *params) -> bool:
