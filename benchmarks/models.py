@@ -141,6 +141,11 @@ def build(c: dict):
     ff.convert(ours)
     models["ours"] = ours
     if COMPILE:
+        # Every model's forward runs through the same transformers wrapper code objects, whose
+        # compiled entries dynamo caps (cache_size_limit, 8): past that it runs them eagerly, and
+        # the later cases' compiled candidates were the eager models. One case at a time: its
+        # own cache.
+        torch._dynamo.reset()
         models["compile"] = torch.compile(models["sdpa"])
         models["ours_compile"] = torch.compile(ours)
     for m in models.values():
