@@ -22,6 +22,11 @@ def _attention_masked(q, k, v, kpm):
     return ff.attention(q, k, v, key_padding_mask=kpm, scale=0.3)
 
 
+def _attention_t5_bias(q, k, v, table):
+    bias = ff.RelativePositionBias(table, bidirectional=False, max_distance=16)
+    return ff.attention(q, k, v, causal=True, position_bias=bias)
+
+
 def _norm(x, r, w, b):
     y, res = ff.add_layer_norm(x, r, w, b, return_residual=True)
     return y * 2 + res
@@ -67,6 +72,9 @@ def _cases():
          lambda B, L: [rnd(B, 2, L, D), rnd(B, 2, L, D), rnd(B, 2, L, D),
                        torch.arange(L).expand(B, L) >= L - 2],
          (0, 1, 2), {0: (0, 2), 1: (0, 2), 2: (0, 2), 3: (0, 1)}),
+        ("attention_t5_bias", _attention_t5_bias,
+         lambda B, L: [rnd(B, 2, L, D), rnd(B, 2, L, D), rnd(B, 2, L, D), rnd(32, 2)],
+         (0, 1, 2, 3), {0: (0, 2), 1: (0, 2), 2: (0, 2)}),
         ("add_layer_norm", _norm, lambda B, L: [rnd(B, L, 40), rnd(B, L, 40), rnd(40), rnd(40)],
          (0, 1, 2, 3), {0: (0, 1), 1: (0, 1)}),
         ("rms_norm", _rms, lambda B, L: [rnd(B, L, 40), rnd(40)], (0, 1), {0: (0, 1)}),
@@ -106,7 +114,7 @@ def _assert_matches_eager(compiled, fn, inputs, grad_idx):
 
 # ---- torch.compile ---------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("name", ["attention", "add_layer_norm", "swiglu", "lce_mean"])
+@pytest.mark.parametrize("name", ["attention", "attention_t5_bias", "add_layer_norm", "swiglu", "lce_mean"])
 def test_compile_fullgraph_matches_eager(name, backend):
     torch._dynamo.reset()
     _, fn, make, grad_idx, _ = CASES[name]

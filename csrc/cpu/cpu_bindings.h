@@ -482,7 +482,9 @@ inline std::vector<Tensor> attention_bwd(const Tensor& dout_in, const Tensor& q_
   }
   if (dmask.defined()) dmask = dmask.to(mask->scalar_type()).reshape(mask->sizes());
   if (dsinks.defined()) dsinks = dsinks.sum(0);
-  if (drel.defined()) drel = drel.narrow(1, 0, a.Lq + a.Lk - 1);
+  // Contiguous, as the op's fake promises (a narrowed view's row stride broke compiled T5
+  // training: inductor asserts the strides); (H, Lq + Lk - 1) is small.
+  if (drel.defined()) drel = drel.narrow(1, 0, a.Lq + a.Lk - 1).contiguous();
   return {dq_in, dk_in, dv_in, dmask, dsinks, drel};
 }
 
