@@ -525,7 +525,7 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
   const V mul_v(mul), neg_inf(kNegInf<A>);
   V row_max(kNegInf<A>);
   const bool inline_terms = sh.alibi || sh.rel;
-  if (!sh.bias_row && !inline_terms && sh.cap_out == A(0) && !d_cap) {
+  if (!sh.bias_row && !inline_terms && sh.cap_out == A(0)) {  // (d_cap is null without softcap)
     // Only the band and the padding columns (a causal or windowed tile, the most common cut):
     // mul * S on the vectors that touch [lo, hi), -inf on the others. Its own loop: with the
     // general one below (the option tests per vector, InlineBias per row) the causal fp32
@@ -548,17 +548,15 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
   }
   const InlineBias<A> inline_bias(a, sh, b, h, qi, k0);
   if (!sh.bias_row) {
-    // Only the band and the padding columns (and the inline terms): transformed scores on
-    // [lo, hi), -inf elsewhere (entries the causal tile GEMMs left unwritten included),
+    // The band and the padding columns with softcap or the inline terms: transformed scores
+    // on [lo, hi), -inf elsewhere (entries the causal tile GEMMs left unwritten included),
     // without a bias row.
     const V iota = V::arange(A(0), A(1)), lo_v(static_cast<A>(lo)), hi_v(static_cast<A>(hi));
     for (int64_t j = 0; j < cols; j += kV) {
       V x = neg_inf;
       if (j + kV > lo && j < hi) {
-        x = sh.cap_out == A(0) && !inline_terms
-                ? V::loadu(s + j) * mul_v
-                : transform_scores(sh, V::loadu(s + j), mul_v, inline_terms ? inline_bias.at(sh, j) : V(A(0)),
-                                   d_cap ? d_cap + j : nullptr);
+        x = transform_scores(sh, V::loadu(s + j), mul_v, inline_terms ? inline_bias.at(sh, j) : V(A(0)),
+                             d_cap ? d_cap + j : nullptr);
         if (j < lo || j + kV > hi) {
           const V idx = iota + V(static_cast<A>(j));
           x = V::blendv(neg_inf, x, (idx >= lo_v) & (idx < hi_v));

@@ -342,14 +342,11 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     left = _causal_window(mask_function)
     # The kernel's bottom-right causality is the pattern's when the queries are the last keys
     # (query i at absolute position q_offset + i, key j at kv_offset + j).
-    if (left is not None and allow_is_causal_skip and offsets
+    # Traced, a window could not reach the kernel (no tags): those get the full mask below.
+    if (left is not None and allow_is_causal_skip and offsets and not (tracing and left >= 0)
             and kv_length >= q_length and q_offset - kv_offset == kv_length - q_length):
         keys = _keys(attention_mask, kv_length, kv_offset)
         if tracing:
-            if left >= 0:  # the window could not reach the kernel untagged: the full mask
-                return _full_mask(batch_size, q_length, kv_length, q_offset, kv_offset,
-                                  mask_function, attention_mask, allow_is_bidirectional_skip,
-                                  device, kwargs)
             # A traced graph carries no tensor attributes and cannot look at the padding's
             # values: the untagged key mask (None without one), which attention_forward reads
             # as causal from the module. The 4D mask instead made the Llama-style (4 x 2048,
@@ -370,15 +367,7 @@ def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
                 return None
             keys = torch.ones(1, kv_length, dtype=torch.bool, device=device)
         return keys[:, None, None, :].expand(batch_size, 1, q_length, kv_length)
-    return _full_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-                      attention_mask, allow_is_bidirectional_skip, device, kwargs)
-
-
-def _full_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function,
-               attention_mask, allow_is_bidirectional_skip, device, kwargs) -> Optional[Tensor]:
-    """sdpa_mask's complete 4D mask. No is_causal shortcut: sdpa's None means top-left
-    causality, ours bottom-right."""
-    from transformers import masking_utils as mu
+    # No is_causal shortcut: sdpa's None means top-left causality, ours bottom-right.
     return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                         q_offset=q_offset, kv_offset=kv_offset, mask_function=mask_function,
                         attention_mask=attention_mask, allow_is_causal_skip=False,
