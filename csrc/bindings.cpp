@@ -12,6 +12,7 @@
 #include <unistd.h>
 #endif
 #include <string>
+#include <utility>
 
 #include "cpu/cpu_bindings.h"
 #include "options.h"
@@ -107,16 +108,34 @@ void set_cpu_capability(const std::string& name) {
                     kLevelNames[max_supported_level()], "')");
 }
 
+// An instruction set extension the avx512 kernels may use (AMX-BF16, AVX512-BF16).
+struct FeatureState {
+  bool supported = false;  // the CPU and OS can run it in this process
+  bool enabled = false;    // the kernels use it (supported, and not turned off)
+  std::string note;        // why it is off, if it is
+
+  // supported as probed (note: why not), then off where environment variable `env` is "0".
+  FeatureState(bool can_run, std::string why_not, const char* env)
+      : supported(can_run), enabled(can_run), note(can_run ? "" : std::move(why_not)) {
+    const char* value = std::getenv(env);
+    if (enabled && value && std::string(value) == "0") {
+      enabled = false;
+      note = std::string("turned off by ") + env + "=0";
+    }
+  }
+  // The tests' switch (`fn`: the binding's name): on only where supported.
+  void set(bool enable, const char* fn, const char* what) {
+    TORCH_CHECK_VALUE(!enable || supported, fn, ": ", what, " is not usable here (", note, ")");
+    if (!supported) return;  // off already, and the note says why
+    enabled = enable;
+    note = enable ? "" : std::string("turned off by ") + fn + "(False)";
+  }
+};
+
 // ---- AMX -------------------------------------------------------------------------------------
 // AMX needs the CPU's AMX-TILE / AMX-BF16 (CPUID leaf 7: EDX bits 24 / 22), an OS that enables
 // the tile state in XCR0 (bits 17, 18) and, on Linux, a per-process request for the tile data
 // state (ARCH_REQ_XCOMP_PERM), which is also what torch's oneDNN makes before its AMX GEMMs.
-struct AmxState {
-  bool supported = false;  // the CPU and OS can run AMX-BF16 in this process
-  bool enabled = false;    // the kernels use it (supported, and not turned off)
-  std::string note;        // why it is off, if it is
-};
-
 bool probe_amx(std::string& why) {
 #if defined(__x86_64__) && defined(__linux__)
   unsigned eax, ebx, ecx, edx;
@@ -146,32 +165,44 @@ bool probe_amx(std::string& why) {
 #endif
 }
 
-AmxState& amx_state() {
-  static AmxState state = [] {
-    AmxState s;
-    s.supported = probe_amx(s.note);
-    s.enabled = s.supported;
-    const char* env = std::getenv("FASTFORMER_CPU_AMX");
-    if (s.enabled && env && std::string(env) == "0") {
-      s.enabled = false;
-      s.note = "turned off by FASTFORMER_CPU_AMX=0";
-    }
-    return s;
+FeatureState& amx_state() {
+  static FeatureState state = [] {
+    std::string why;
+    const bool ok = probe_amx(why);
+    return FeatureState(ok, why, "FASTFORMER_CPU_AMX");
   }();
   return state;
 }
 
-void set_cpu_amx(bool enable) {
-  AmxState& s = amx_state();
-  TORCH_CHECK_VALUE(!enable || s.supported, "set_cpu_amx: AMX-BF16 is not usable here (", s.note, ")");
-  if (!s.supported) return;  // off already, and the note says why
-  s.enabled = enable;
-  s.note = enable ? "" : "turned off by set_cpu_amx(False)";
+void set_cpu_amx(bool enable) { amx_state().set(enable, "set_cpu_amx", "AMX-BF16"); }
+
+// ---- AVX512-BF16 -----------------------------------------------------------------------------
+// VDPBF16PS (CPUID leaf 7 subleaf 1: EAX bit 5), for the bf16 attention GEMMs where AMX is not
+// used; its zmm state is the AVX-512 level's own (that level's selection checked the OS).
+FeatureState& avx512_bf16_state() {
+  static FeatureState state = [] {
+#if defined(__x86_64__)
+    unsigned eax = 0, ebx, ecx, edx;
+    const bool ok = __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax & (1u << 5));
+    return FeatureState(ok, "the CPU has no AVX512-BF16", "FASTFORMER_CPU_AVX512_BF16");
+#else
+    return FeatureState(false, "AVX512-BF16 is x86-64 only", "FASTFORMER_CPU_AVX512_BF16");
+#endif
+  }();
+  return state;
 }
+
+void set_cpu_avx512_bf16(bool enable) { avx512_bf16_state().set(enable, "set_cpu_avx512_bf16", "AVX512-BF16"); }
 
 // The kernels selected now run bf16 on AMX: the avx512 level (the only one with AMX code) and
 // AMX usable and on.
 bool amx_in_use() { return cpu_state().level == kAvx512 && amx_state().enabled; }
+
+cpu::Bf16Gemm bf16_gemm_in_use() {
+  if (cpu_state().level != kAvx512) return cpu::Bf16Gemm::kFp32;
+  if (amx_state().enabled) return cpu::Bf16Gemm::kAmx;
+  return avx512_bf16_state().enabled ? cpu::Bf16Gemm::kDot : cpu::Bf16Gemm::kFp32;
+}
 
 py::dict cpu_info() {
   py::dict d;
@@ -191,6 +222,10 @@ py::dict cpu_info() {
   d["amx_bf16"] = amx_state().enabled;  // the switch (set_cpu_amx); in use: amx_in_use()
   d["amx_in_use"] = amx_in_use();
   d["amx_note"] = amx_state().note;
+  d["avx512_bf16"] = avx512_bf16_state().enabled;  // the switch (set_cpu_avx512_bf16)
+  d["avx512_bf16_note"] = avx512_bf16_state().note;
+  constexpr const char* kBf16GemmNames[] = {"fp32", "avx512_bf16", "amx"};
+  d["bf16_attention_gemm"] = kBf16GemmNames[static_cast<int>(bf16_gemm_in_use())];
 #ifdef FASTFORMER_WITH_CUDA
   d["cuda"] = true;
 #else
@@ -202,7 +237,7 @@ py::dict cpu_info() {
 }  // namespace
 
 namespace cpu {
-bool amx_bf16_enabled() { return amx_state().enabled; }
+Bf16Gemm bf16_gemm_mode() { return bf16_gemm_in_use(); }
 const KernelTable& kernels() { return cpu_state().table; }
 }  // namespace cpu
 }  // namespace fastformer
@@ -214,6 +249,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("cpu_info", &cpu_info, "CPU capability levels built, selected and supported");
   m.def("set_cpu_capability", &set_cpu_capability, "Select default|avx2|avx512 kernels (tests)");
   m.def("set_cpu_amx", &set_cpu_amx, "Use AMX-BF16 at the avx512 level where supported (tests)");
+  m.def("set_cpu_avx512_bf16", &set_cpu_avx512_bf16,
+        "Use AVX512-BF16 for bf16 attention GEMMs at the avx512 level where AMX is not used (tests)");
   m.def("use_amx_bf16", &amx_in_use,
         "Whether bf16 runs on AMX tiles now (the avx512 kernels selected, AMX-BF16 usable and on)");
   m.def("option_fields", &option_fields, "{family: [option field names]} of csrc/options.h");

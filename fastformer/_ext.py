@@ -48,3 +48,11 @@ def set_cpu_amx(enable: bool) -> None:
     from . import backends
     C.set_cpu_amx(enable)
     backends.clear_cache()
+
+
+def set_cpu_avx512_bf16(enable: bool) -> None:
+    """Run the bf16 attention GEMMs on AVX512-BF16 at the avx512 level where the CPU has it and
+    AMX is not used (tests, benchmarks)."""
+    from . import backends
+    C.set_cpu_avx512_bf16(enable)
+    backends.clear_cache()

@@ -59,6 +59,7 @@ def info() -> Info:
             "built levels": ", ".join(cpu.get("built") or []) or "-",
             "note": cpu.get("note") or "-",
             "amx bf16": _amx_status(cpu),
+            "bf16 attention GEMMs": cpu.get("bf16_attention_gemm", "-"),
             "torch capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(),
             "machine": platform.machine(),

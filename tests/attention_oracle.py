@@ -5,8 +5,10 @@ autograd. Fully masked rows are defined as zeros (fastformer's documented rule).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
+import pytest
 import torch
 
 import fastformer as ff
@@ -161,3 +163,32 @@ def rising_score_inputs(jump: float, B=1, H=2, Lq=70, Lk=None, D=16, seed=3, blo
     q[..., 0] = c
     k[..., 0] = (jump / c) * (torch.arange(Lk) // block).double()
     return tuple(t.float() for t in (q, k, v, go))
+
+
+# The instructions of the avx512 level's bf16 attention GEMMs (csrc/cpu/bf16_gemm.h).
+BF16_GEMMS = ["amx", "avx512_bf16", "fp32"]
+
+
+@contextlib.contextmanager
+def bf16_attention_gemm(mode):
+    """Runs the block with the CPU kernels' bf16 attention GEMMs on `mode` (one of BF16_GEMMS),
+    or skips the test saying why this machine cannot."""
+    info = ff._ext.cpu_info()
+    if info.get("capability") != "avx512":
+        if mode != "fp32":
+            pytest.skip(f"bf16 GEMMs on {mode} run at the avx512 level only (this machine runs "
+                        f"{info.get('capability')})")
+        yield  # the fp32 micro-kernel is the only bf16 path at this level
+        return
+    if mode == "amx" and not info.get("amx_bf16"):
+        pytest.skip(f"AMX-BF16 not usable here: {info.get('amx_note')}")
+    if mode == "avx512_bf16" and not info.get("avx512_bf16"):
+        pytest.skip(f"AVX512-BF16 not usable here: {info.get('avx512_bf16_note')}")
+    ff._ext.set_cpu_amx(mode == "amx")
+    ff._ext.set_cpu_avx512_bf16(mode == "avx512_bf16")
+    try:
+        assert ff._ext.cpu_info()["bf16_attention_gemm"] == mode
+        yield
+    finally:
+        ff._ext.set_cpu_amx(bool(info.get("amx_bf16")))
+        ff._ext.set_cpu_avx512_bf16(bool(info.get("avx512_bf16")))

@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from attention_oracle import ff_attention, oracle_attention, oracle_grads, rising_score_inputs, run
+from attention_oracle import BF16_GEMMS, bf16_attention_gemm, ff_attention, oracle_attention, oracle_grads, rising_score_inputs, run
 from oracle import check
 
 import fastformer as ff
@@ -67,33 +67,26 @@ def test_low_precision(backend, dtype, lq, lk, d, causal):
     _compare(backend, q, k, v, go, causal=causal)
 
 
-# bf16 at the avx512 level takes S = Q K^T (and the backward's dP = dO V^T) from AMX tiles
-# where the CPU has AMX-BF16 (csrc/cpu/amx_bf16.h): head dims padded to 32, 16-row tiles, causal
-# blocks skipped 32 x 32 at a time. Both paths, against the oracle, at head dims off those grids.
-_AMX_CASES = [(113, 203, 40, (8, 2), "top_left"), (203, 113, 72, (4, 4), "bottom_right"),
+# bf16 at the avx512 level runs its GEMMs on AMX tiles where the CPU has AMX-BF16, else on
+# AVX512-BF16 where it has that (csrc/cpu/bf16_gemm.h): head dims padded to 32, 16-row tiles,
+# causal blocks skipped 32 x 32 (AMX) or 8 x 32 (AVX512-BF16) at a time. Every path against the
+# oracle, at head dims off those grids.
+_BF16_GEMM_CASES = [(113, 203, 40, (8, 2), "top_left"), (203, 113, 72, (4, 4), "bottom_right"),
               (256, 512, 128, (8, 1), False), (1, 239, 8, (4, 4), False), (45, 37, 200, (2, 2), "top_left"),
               (17, 17, 24, (2, 1), False)]
 
 
-@pytest.mark.parametrize("amx", [True, False], ids=["amx", "fma"])
-@pytest.mark.parametrize("lq,lk,d,heads,causal", _AMX_CASES,
-                         ids=[f"{c[0]}x{c[1]}-d{c[2]}-{c[4]}" for c in _AMX_CASES])
-def test_bf16_score_gemms_amx_and_fma(amx, lq, lk, d, heads, causal):
-    info = ff._ext.cpu_info()
-    if info.get("capability") != "avx512":
-        pytest.skip(f"AMX is used at the avx512 level only (this machine runs {info.get('capability')})")
-    if amx and not info.get("amx_bf16"):
-        pytest.skip(f"AMX-BF16 not usable here: {info.get('amx_note')}")
+@pytest.mark.parametrize("gemm", BF16_GEMMS)
+@pytest.mark.parametrize("lq,lk,d,heads,causal", _BF16_GEMM_CASES,
+                         ids=[f"{c[0]}x{c[1]}-d{c[2]}-{c[4]}" for c in _BF16_GEMM_CASES])
+def test_bf16_gemm_paths(gemm, lq, lk, d, heads, causal):
     q, k, v, go = _inputs(2, heads[0], heads[1], lq, lk, d, torch.bfloat16)
-    ff._ext.set_cpu_amx(amx)
-    try:
+    with bf16_attention_gemm(gemm):
         _compare("cpu", q, k, v, go, causal=causal)
-        # a padded key row and a float mask: the score_row path after the AMX GEMM
+        # a padded key row and a float mask: the score_row path after the bf16 GEMM
         pad = _padding(2, lk)
         mask = torch.randn(lq, lk, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
         _compare("cpu", q, k, v, go, causal=causal, key_padding_mask=pad, attn_mask=mask)
-    finally:
-        ff._ext.set_cpu_amx(bool(info.get("amx_bf16")))
 
 
 def _padding(B, Lk, seed=1):

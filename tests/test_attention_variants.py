@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 import torch
-from attention_oracle import ff_attention_oracle_kwargs, oracle_attention, run_with_options, to_ff_kwargs
+from attention_oracle import BF16_GEMMS, bf16_attention_gemm, ff_attention_oracle_kwargs, oracle_attention, run_with_options, to_ff_kwargs
 from oracle import check
 
 import fastformer as ff
@@ -248,20 +248,14 @@ def test_every_isa_level(capability_levels, dtype):
         ff._ext.set_cpu_capability(capability_levels[-1])
 
 
-@pytest.mark.parametrize("amx", [True, False], ids=["amx", "fma"])
-def test_bf16_amx_and_fma_paths(amx):
-    info = ff._ext.cpu_info()
-    if amx and not info.get("amx_bf16"):
-        pytest.skip(f"AMX-BF16 not usable here: {info.get('amx_note')}")
-    ff._ext.set_cpu_amx(amx)
-    try:
+@pytest.mark.parametrize("gemm", BF16_GEMMS)
+def test_bf16_gemm_paths(gemm):
+    with bf16_attention_gemm(gemm):
         q, k, v, go = _inputs(2, 4, 2, 150, 260, 72, BF16)
         kw = dict(causal="bottom_right", window=(80, -1), softcap=5.0, sinks=torch.randn(4).to(BF16),
                   alibi_slopes=torch.rand(4) / 8, attn_mask=torch.randn(2, 1, 150, 260).to(BF16),
                   position_bias=(torch.randn(32, 4).to(BF16), True, 64))
         _compare("cpu", q, k, v, go, **kw)
-    finally:
-        ff._ext.set_cpu_amx(bool(info.get("amx_bf16")))
 
 
 def test_options_reach_the_kernels():

@@ -24,7 +24,8 @@
 // dV accumulators of its keys; one head's dQ (one chunk) or the shared dQ partials (chunks x B
 // x H x Lq x D fp32). Reads q, k, v, out, dout once per task (k, v: its keys only).
 //
-// bf16 with AMX (amx_bf16.h): all five GEMMs on the tiles. S and dP from the inputs' bf16 rows
+// bf16 at the AVX-512 level with AMX-BF16 or AVX512-BF16 (bf16_gemm.h): all five GEMMs on the
+// bf16 instructions. S and dP from the inputs' bf16 rows
 // (exact products), dQ += dS K with dS rounded to bf16, and dK, dV transposed so that the
 // tiles' B operand is a tile's rows interleaved in query pairs: dV^T += dO^T P', dK^T += Q^T dS
 // (P' and dS rounded to bf16, as FlashAttention rounds them; Q^T and dO^T in bf16 once per head),
@@ -129,7 +130,7 @@ void store_key_rows(const BwdCall<T>& c, const TaskKeys& t, int64_t j0, int64_t 
   }
 }
 
-// The GEMMs of a task on the fp32 micro-kernel (every dtype; bf16 without AMX). Q and dO of the
+// The GEMMs of a task on the fp32 micro-kernel (every dtype; bf16 without bf16 GEMMs). Q and dO of the
 // current head in MR-row panels (A operands of S and dP, one block of kQBlockRows per query
 // block) and column panels (B operands of dK and dV); K^T, V^T and K of the task's key blocks
 // packed (Packed); dK, dV accumulated in fp32 rows of the task's keys.
@@ -148,7 +149,7 @@ struct Fp32Grads {
   A* const dv_acc;
   Packed<A> packing;  // the task's key blocks (see Packed); read-only below
 
-  Fp32Grads(const BwdCall<T>& c, const TaskKeys& t)
+  Fp32Grads(const BwdCall<T>& c, const TaskKeys& t, Bf16Gemm)
       : sh(c.sh), q_rows(sh.Lq + kRowSlack), q_pk_block(kQBlockRows<A> * sh.D), do_pk_block(kQBlockRows<A> * sh.Dv),
         q_pk(thread_scratch<A, Scratch::kBwdQPanels>(sh.n_qb * q_pk_block)),
         do_pk(thread_scratch<A, Scratch::kBwdDoPanels>(sh.n_qb * do_pk_block)),
@@ -207,17 +208,18 @@ struct Fp32Grads {
   void store_keys(const BwdCall<T>& c, const TaskKeys& t) const { store_key_rows(c, t, 0, t.n_keys, dk_acc, dv_acc); }
 };
 
-// The GEMMs of a task on AMX tiles (bf16 inputs, amx_bf16.h). Q and dO's bf16 rows (A of S and
+// The GEMMs of a task on bf16 instructions (bf16 inputs, bf16_gemm.h). Q and dO's bf16 rows (A of S and
 // dP; zero rows past Lq, qt_cols of them) and their transposes (A of dK^T and dV^T; zero
 // columns past Lq, a query block's 32-rounded range within qt_cols); P' and dS rounded to bf16
 // (rows of kBlockK, zero rows up to a multiple of 32) and interleaved in query pairs; dK^T and
 // dV^T accumulators (keys_ld columns: the chunk's key blocks), transposed back when the task
 // writes its keys.
 template <typename T>
-struct AmxGrads {
+struct Bf16Grads {
   using A = acc_t<T>;
   static constexpr int64_t kQBlockRows32 = (kBlockQ + 31) / 32 * 32;
   const Shape<A>& sh;
+  const Bf16Gemm kind;
   const int64_t q_rows, qt_cols, keys_ld;
   c10::BFloat16* const q_bf16;
   c10::BFloat16* const do_bf16;
@@ -234,51 +236,51 @@ struct AmxGrads {
   A* const dv_rows;
   Packed<A> packing;
 
-  AmxGrads(const BwdCall<T>& c, const TaskKeys& t)
-      : sh(c.sh), q_rows(sh.Lq + kRowSlack), qt_cols(round_up_to(sh.Lq, 16) + 32),
+  Bf16Grads(const BwdCall<T>& c, const TaskKeys& t, Bf16Gemm gemm_kind)
+      : sh(c.sh), kind(gemm_kind), q_rows(sh.Lq + kRowSlack), qt_cols(round_up_to(sh.Lq, 16) + 32),
         keys_ld((t.kb1 - t.kb0) * kBlockK),
-        q_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdQBf16>(qt_cols * sh.D_amx)),
-        do_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdDoBf16>(qt_cols * sh.Dv_amx)),
-        qt_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdQtBf16>(sh.D_amx * qt_cols)),
-        dot_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdDotBf16>(sh.Dv_amx * qt_cols)),
-        t_words(thread_scratch<uint32_t, Scratch::kBwdTransposeWords>(qt_cols * std::max(sh.D_amx, sh.Dv_amx) / 2)),
+        q_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdQBf16>(qt_cols * sh.D_bf16)),
+        do_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdDoBf16>(qt_cols * sh.Dv_bf16)),
+        qt_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdQtBf16>(sh.D_bf16 * qt_cols)),
+        dot_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdDotBf16>(sh.Dv_bf16 * qt_cols)),
+        t_words(thread_scratch<uint32_t, Scratch::kBwdTransposeWords>(qt_cols * std::max(sh.D_bf16, sh.Dv_bf16) / 2)),
         p_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdPBf16>(kQBlockRows32 * kBlockK)),
         ds_bf16(thread_scratch<c10::BFloat16, Scratch::kBwdDsBf16>(kQBlockRows32 * kBlockK)),
         p_pairs(thread_scratch<uint32_t, Scratch::kBwdPPairs>(kQBlockRows32 * kBlockK / 2)),
         ds_pairs(thread_scratch<uint32_t, Scratch::kBwdDsPairs>(kQBlockRows32 * kBlockK / 2)),
-        dkt_acc(thread_scratch<A, Scratch::kBwdDktAcc>(sh.D_amx * keys_ld)),
-        dvt_acc(thread_scratch<A, Scratch::kBwdDvtAcc>(sh.Dv_amx * keys_ld)),
+        dkt_acc(thread_scratch<A, Scratch::kBwdDktAcc>(sh.D_bf16 * keys_ld)),
+        dvt_acc(thread_scratch<A, Scratch::kBwdDvtAcc>(sh.Dv_bf16 * keys_ld)),
         dk_rows(thread_scratch<A, Scratch::kBwdDkAcc>((8 + kRowSlack) * sh.D_pad)),
         dv_rows(thread_scratch<A, Scratch::kBwdDvAcc>((8 + kRowSlack) * sh.Dv_pad)),
         packing(sh, 1, t.kb1 - t.kb0, /*backward=*/true, true) {
-    TORCH_INTERNAL_ASSERT(sh.D_amx == sh.D_pad, "AMX dQ tiles write rows D_pad wide");
+    TORCH_INTERNAL_ASSERT(sh.D_bf16 == sh.D_pad, "bf16 dQ tiles write rows D_pad wide");
     for (int64_t kb = t.kb0; kb < t.kb1; ++kb) pack_kv_block<T, A>(c.a, sh, packing, t.b, t.hkv, kb, 0, kb - t.kb0);
-    std::fill(dkt_acc, dkt_acc + sh.D_amx * keys_ld, A(0));
-    std::fill(dvt_acc, dvt_acc + sh.Dv_amx * keys_ld, A(0));
-    std::fill(q_bf16 + q_rows * sh.D_amx, q_bf16 + qt_cols * sh.D_amx, c10::BFloat16(0.0f));
-    std::fill(do_bf16 + q_rows * sh.Dv_amx, do_bf16 + qt_cols * sh.Dv_amx, c10::BFloat16(0.0f));
+    std::fill(dkt_acc, dkt_acc + sh.D_bf16 * keys_ld, A(0));
+    std::fill(dvt_acc, dvt_acc + sh.Dv_bf16 * keys_ld, A(0));
+    std::fill(q_bf16 + q_rows * sh.D_bf16, q_bf16 + qt_cols * sh.D_bf16, c10::BFloat16(0.0f));
+    std::fill(do_bf16 + q_rows * sh.Dv_bf16, do_bf16 + qt_cols * sh.Dv_bf16, c10::BFloat16(0.0f));
   }
 
   void put_row(const AttnArgs& a, int64_t b, int64_t h, int64_t i, const A*, const A*) {
-    c10::BFloat16* const q_row = q_bf16 + i * sh.D_amx;
-    c10::BFloat16* const do_row = do_bf16 + i * sh.Dv_amx;
+    c10::BFloat16* const q_row = q_bf16 + i * sh.D_bf16;
+    c10::BFloat16* const do_row = do_bf16 + i * sh.Dv_bf16;
     if (i < sh.Lq) {
-      put_bf16_row(row_ptr<c10::BFloat16>(a.q, b, h, i), sh.D, sh.D_amx, q_row);
-      put_bf16_row(row_ptr<c10::BFloat16>(a.dout, b, h, i), sh.Dv, sh.Dv_amx, do_row);
+      put_bf16_row(row_ptr<c10::BFloat16>(a.q, b, h, i), sh.D, sh.D_bf16, q_row);
+      put_bf16_row(row_ptr<c10::BFloat16>(a.dout, b, h, i), sh.Dv, sh.Dv_bf16, do_row);
     } else {
-      std::fill(q_row, q_row + sh.D_amx, c10::BFloat16(0.0f));
-      std::fill(do_row, do_row + sh.Dv_amx, c10::BFloat16(0.0f));
+      std::fill(q_row, q_row + sh.D_bf16, c10::BFloat16(0.0f));
+      std::fill(do_row, do_row + sh.Dv_bf16, c10::BFloat16(0.0f));
     }
   }
   void head_done() {
-    transpose_bf16(q_bf16, sh.D_amx, qt_cols, sh.D_amx, qt_bf16, qt_cols, t_words);
-    transpose_bf16(do_bf16, sh.Dv_amx, qt_cols, sh.Dv_amx, dot_bf16, qt_cols, t_words);
+    transpose_bf16(q_bf16, sh.D_bf16, qt_cols, sh.D_bf16, qt_bf16, qt_cols, t_words);
+    transpose_bf16(do_bf16, sh.Dv_bf16, qt_cols, sh.Dv_bf16, dot_bf16, qt_cols, t_words);
   }
 
   void scores(int64_t q0, int64_t n_q, int64_t blk, int64_t cols, A* p_tile, A* ds_tile, Band band) const {
-    tile_gemm_amx(n_q, cols, sh.D_amx, q_bf16 + q0 * sh.D_amx, sh.D_amx, packing.kw_block(0, blk), p_tile, kScoreLd,
+    tile_gemm_bf16(kind, n_q, cols, sh.D_bf16, q_bf16 + q0 * sh.D_bf16, sh.D_bf16, packing.kw_block(0, blk), p_tile, kScoreLd,
                   false, band);
-    tile_gemm_amx(n_q, cols, sh.Dv_amx, do_bf16 + q0 * sh.Dv_amx, sh.Dv_amx, packing.vw_block(0, blk), ds_tile,
+    tile_gemm_bf16(kind, n_q, cols, sh.Dv_bf16, do_bf16 + q0 * sh.Dv_bf16, sh.Dv_bf16, packing.vw_block(0, blk), ds_tile,
                   kScoreLd, false, band);
   }
 
@@ -295,17 +297,17 @@ struct AmxGrads {
     std::fill(ds_bf16 + n_q * kBlockK, ds_bf16 + n_q32 * kBlockK, c10::BFloat16(0.0f));
     put_row_pairs_panels(p_bf16, kBlockK, n_q32, cols, p_pairs);
     put_row_pairs_panels(ds_bf16, kBlockK, n_q32, cols, ds_pairs);
-    tile_gemm_amx(sh.Dv_amx, cols, n_q32, dot_bf16 + q0, qt_cols, p_pairs, dvt_acc + k_local, keys_ld, true, Band{});
-    tile_gemm_amx(sh.D_amx, cols, n_q32, qt_bf16 + q0, qt_cols, ds_pairs, dkt_acc + k_local, keys_ld, true, Band{});
-    tile_gemm_amx(n_q, sh.D_amx, cols, ds_bf16, kBlockK, packing.kpw_block(0, blk), dq + q0 * sh.D_pad, sh.D_pad,
+    tile_gemm_bf16(kind, sh.Dv_bf16, cols, n_q32, dot_bf16 + q0, qt_cols, p_pairs, dvt_acc + k_local, keys_ld, true, Band{});
+    tile_gemm_bf16(kind, sh.D_bf16, cols, n_q32, qt_bf16 + q0, qt_cols, ds_pairs, dkt_acc + k_local, keys_ld, true, Band{});
+    tile_gemm_bf16(kind, n_q, sh.D_bf16, cols, ds_bf16, kBlockK, packing.kpw_block(0, blk), dq + q0 * sh.D_pad, sh.D_pad,
                   true, inner_band);
   }
 
   // From the transposed accumulators, 8 keys at a time through 8 x 8 transposes into rows.
   void store_keys(const BwdCall<T>& c, const TaskKeys& t) const {
     for (int64_t j0 = 0; j0 < t.n_keys; j0 += 8) {
-      for (int64_t d = 0; d < sh.D_amx; d += 8) transpose_8x8<A>(dkt_acc + d * keys_ld + j0, keys_ld, dk_rows + d, sh.D_pad);
-      for (int64_t d = 0; d < sh.Dv_amx; d += 8) transpose_8x8<A>(dvt_acc + d * keys_ld + j0, keys_ld, dv_rows + d, sh.Dv_pad);
+      for (int64_t d = 0; d < sh.D_bf16; d += 8) transpose_8x8<A>(dkt_acc + d * keys_ld + j0, keys_ld, dk_rows + d, sh.D_pad);
+      for (int64_t d = 0; d < sh.Dv_bf16; d += 8) transpose_8x8<A>(dvt_acc + d * keys_ld + j0, keys_ld, dv_rows + d, sh.Dv_pad);
       store_key_rows(c, t, j0, std::min<int64_t>(8, t.n_keys - j0), dk_rows, dv_rows);
     }
   }
@@ -315,7 +317,7 @@ struct AmxGrads {
 // paths: per head, Q / dO staged and delta computed; per (key block, query block that can see
 // it) tile, the score GEMMs, P and dS row by row, the gradient GEMMs.
 template <typename T, class Grads>
-void backward_task(const BwdCall<T>& c, const TaskKeys& t) {
+void backward_task(const BwdCall<T>& c, const TaskKeys& t, Bf16Gemm kind) {
   using A = acc_t<T>;
   using V = Vectorized<A>;
   constexpr int64_t kV = V::size();
@@ -324,7 +326,7 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t) {
   const Shape<A>& sh = c.sh;
   const int64_t b = t.b;
   const int64_t q_rows = sh.Lq + kRowSlack;
-  Grads gemms(c, t);
+  Grads gemms(c, t, kind);
   A* const do_stage = thread_scratch<A, Scratch::kBwdDoStage>(MR * sh.Dv_pad);  // one MR-row panel's rows
   A* const p_tile = thread_scratch<A, Scratch::kBwdP>((kBlockQ + kRowSlack) * kScoreLd);
   A* const ds_tile = thread_scratch<A, Scratch::kBwdDs>((kBlockQ + kRowSlack) * kScoreLd);
@@ -473,8 +475,9 @@ void attention_bwd_typed(const AttnArgs& a) {
   }
   const BwdCall<T> c(a);
   const Shape<A>& sh = c.sh;
-  // bf16 on AMX: all five GEMMs on the tiles (AmxGrads); else the fp32 micro-kernel.
-  const bool amx = std::is_same_v<T, c10::BFloat16> && use_amx_bf16();
+  // bf16 on AMX-BF16 or AVX512-BF16: all five GEMMs on them (Bf16Grads); else the fp32
+  // micro-kernel.
+  const Bf16Gemm kind = std::is_same_v<T, c10::BFloat16> ? bf16_gemm() : Bf16Gemm::kFp32;
   const double flops = 2.5 * 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
   const int64_t task_hkv = c.fold_h ? 1 : sh.Hkv;
   parallel_tasks(c.n_tasks, flops, [&](int64_t task) {
@@ -484,18 +487,18 @@ void attention_bwd_typed(const AttnArgs& a) {
     if (t.kb0 >= t.kb1) return;
     t.key0 = t.kb0 * kBlockK;
     t.n_keys = std::min(sh.Lk, t.kb1 * kBlockK) - t.key0;
-    const AmxTiles tiles(amx);
+    const AmxTiles tiles(kind);
     const int64_t b0 = c.fold_b ? 0 : bhkv / task_hkv, b1 = c.fold_b ? sh.B : b0 + 1;
     const int64_t h0 = c.fold_h ? 0 : bhkv % task_hkv, h1 = c.fold_h ? sh.Hkv : h0 + 1;
     for (t.b = b0; t.b < b1; ++t.b) {
       for (t.hkv = h0; t.hkv < h1; ++t.hkv) {
         if constexpr (std::is_same_v<T, c10::BFloat16>) {
-          if (amx) {
-            backward_task<T, AmxGrads<T>>(c, t);
+          if (kind != Bf16Gemm::kFp32) {
+            backward_task<T, Bf16Grads<T>>(c, t, kind);
             continue;
           }
         }
-        backward_task<T, Fp32Grads<T>>(c, t);
+        backward_task<T, Fp32Grads<T>>(c, t, kind);
       }
     }
   });

@@ -12,7 +12,7 @@
 
 #include "common/online_softmax.h"
 #include "common/philox.h"
-#include "cpu/amx_bf16.h"
+#include "cpu/bf16_gemm.h"
 #include "cpu/cpu_kernels.h"
 #include "cpu/gemm.h"
 #include "cpu/philox_vec.h"
@@ -63,7 +63,7 @@ template <typename A>
 struct Shape {
   int64_t B, H, Hkv, G, Lq, Lk, D, Dv;
   int64_t D_pad, Dv_pad, Bk_pad, n_kb, n_qb;
-  int64_t D_amx, Dv_amx;  // D, Dv padded for the AMX score GEMMs (amx_bf16.h)
+  int64_t D_bf16, Dv_bf16;  // D, Dv padded to whole 32-value tile rows for the bf16 GEMMs (bf16_gemm.h)
   int64_t diag;           // d
   bool has_hi, has_lo;
   int64_t hi_shift, lo_shift;
@@ -77,8 +77,8 @@ struct Shape {
     B = a.B; H = a.H; Hkv = a.Hkv; G = a.H / a.Hkv; Lq = a.Lq; Lk = a.Lk; D = a.D; Dv = a.Dv;
     D_pad = round_up_to(D, NR);
     Dv_pad = round_up_to(Dv, NR);
-    D_amx = amx_padded_k(D);
-    Dv_amx = amx_padded_k(Dv);
+    D_bf16 = amx_padded_k(D);
+    Dv_bf16 = amx_padded_k(Dv);
     Bk_pad = round_up_to(std::clamp<int64_t>(Lk, 1, kBlockK), NR);  // the widest block's columns
     n_kb = (Lk + kBlockK - 1) / kBlockK;
     n_qb = (Lq + kBlockQ - 1) / kBlockQ;
@@ -124,6 +124,12 @@ struct Shape {
   // NR only, so a short last block (Lk = 2048 = 10 * 192 + 128) costs its own keys, not a
   // whole kBlockK. Columns in [n_keys, cols) are padding keys (zero K/V rows, P = 0).
   int64_t block_keys(int64_t kb) const { return std::min(kBlockK, Lk - kb * kBlockK); }
+  // Keys [first_seen_key, end_seen_key) are the ones some query's band reaches. The bf16
+  // pair-word layouts hold zeros for the others: a pair can join a key its row cannot see (P,
+  // dS 0) to one it can, and 0 times a key or value no query may read (NaN, say) must not
+  // reach the sums.
+  int64_t first_seen_key() const { return has_lo ? std::clamp<int64_t>(lo_shift, 0, Lk) : 0; }
+  int64_t end_seen_key() const { return has_hi ? std::clamp<int64_t>(Lq + hi_shift, 0, Lk) : Lk; }
   static int64_t block_cols(int64_t n_keys) { return round_up_to(n_keys, MicroShape<A>::kNR); }
   // Whether no mask, bias, softcap, edge or padding column touches tile (q0 .. q1, kb) and the
   // scale is positive: both passes then compute P straight from the GEMM's S with one FMA
@@ -186,12 +192,12 @@ inline void load_row(const T* src, int64_t n, int64_t n_pad, A* dst) {
 //   vt: V^T blocks     [blocks][Bk_pad/NR][Dv][NR]    B of dP = dO V^T        (backward)
 //   vp: V by columns   [blocks][Dv_pad/NR][Bk_pad][NR] B of O += P V          (forward)
 //   kp: K by columns   [blocks][D_pad/NR][Bk_pad][NR]  B of dQ += dS K        (backward)
-// With bf16 inputs on AMX (amx = true) B operands are bf16 pair words instead (amx_bf16.h;
+// With bf16 inputs on bf16 instructions (pairs = true) B operands are bf16 pair words instead (bf16_gemm.h;
 // the inputs' own bf16 values, no rounding):
-//   kw: K^T blocks     [blocks][Bk_pad/16][D_amx/2][16]   B of S = Q K^T        (for kt)
-//   vw: V^T blocks     [blocks][Bk_pad/16][Dv_amx/2][16]  B of dP = dO V^T      (for vt)
-//   vpw: V blocks      [blocks][Dv_amx/16][Bk_pad/2][16]  B of O += P V         (for vp)
-//   kpw: K blocks      [blocks][D_amx/16][Bk_pad/2][16]   B of dQ += dS K       (for kp)
+//   kw: K^T blocks     [blocks][Bk_pad/16][D_bf16/2][16]   B of S = Q K^T        (for kt)
+//   vw: V^T blocks     [blocks][Bk_pad/16][Dv_bf16/2][16]  B of dP = dO V^T      (for vt)
+//   vpw: V blocks      [blocks][Dv_bf16/16][Bk_pad/2][16]  B of O += P V         (for vp)
+//   kpw: K blocks      [blocks][D_bf16/16][Bk_pad/2][16]   B of dQ += dS K       (for kp)
 // The forward packs every (batch, kv head) up front, in parallel (its tasks are query blocks
 // of a head and share the head's packed blocks); each backward task packs the key blocks it
 // owns into its thread's buffers (heads = 1), so they are written to and read back from cache,
@@ -204,27 +210,27 @@ struct Packed {
   int64_t kw_block_size = 0, vw_block_size = 0, vpw_block_size = 0, kpw_block_size = 0;
   int64_t blocks = 0;  // key blocks per head
 
-  Packed(const Shape<A>& sh, int64_t heads, int64_t blocks_per_head, bool backward, bool amx)
+  Packed(const Shape<A>& sh, int64_t heads, int64_t blocks_per_head, bool backward, bool pairs)
       : blocks(blocks_per_head) {
-    if (amx) {
-      kw_block_size = sh.Bk_pad * sh.D_amx / 2;
+    if (pairs) {
+      kw_block_size = sh.Bk_pad * sh.D_bf16 / 2;
       kw = thread_scratch<uint32_t, Scratch::kPackKw>(heads * blocks * kw_block_size);
     } else {
       kt_block_size = sh.Bk_pad * sh.D;
       kt = thread_scratch<A, Scratch::kPackKt>(heads * blocks * kt_block_size);
     }
-    if (backward && amx) {
-      vw_block_size = sh.Bk_pad * sh.Dv_amx / 2;
+    if (backward && pairs) {
+      vw_block_size = sh.Bk_pad * sh.Dv_bf16 / 2;
       vw = thread_scratch<uint32_t, Scratch::kPackVw>(heads * blocks * vw_block_size);
-      kpw_block_size = sh.Bk_pad * sh.D_amx / 2;
+      kpw_block_size = sh.Bk_pad * sh.D_bf16 / 2;
       kpw = thread_scratch<uint32_t, Scratch::kPackKpw>(heads * blocks * kpw_block_size);
     } else if (backward) {
       kp_block_size = sh.Bk_pad * sh.D_pad;
       kp = thread_scratch<A, Scratch::kPackKp>(heads * blocks * kp_block_size);
       vt_block_size = sh.Bk_pad * sh.Dv;
       vt = thread_scratch<A, Scratch::kPackVt>(heads * blocks * vt_block_size);
-    } else if (amx) {
-      vpw_block_size = sh.Bk_pad * sh.Dv_amx / 2;
+    } else if (pairs) {
+      vpw_block_size = sh.Bk_pad * sh.Dv_bf16 / 2;
       vpw = thread_scratch<uint32_t, Scratch::kPackVpw>(heads * blocks * vpw_block_size);
     } else {
       vp_block_size = sh.Bk_pad * sh.Dv_pad;
@@ -255,13 +261,13 @@ struct Packed {
   E* block(E* base, int64_t block_size, int64_t bh, int64_t blk) const { return base + (bh * blocks + blk) * block_size; }
 };
 
-// C (+)= A B of bf16 operands on AMX (amx_bf16.h) into fp32 C; only ever called with amx on,
-// which implies T = bf16 and A = float.
+// C (+)= A B of bf16 operands on the call's bf16 instructions (bf16_gemm.h) into fp32 C; only
+// ever called with a kind other than kFp32, which implies T = bf16 and A = float.
 template <typename A>
-inline void tile_gemm_amx(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t lda, const uint32_t* b,
-                          A* c, int64_t ldc, bool accumulate, Band band) {
-  if constexpr (std::is_same_v<A, float>) amx_tile_gemm(M, N, K, a, lda, b, c, ldc, accumulate, band);
-  else TORCH_INTERNAL_ASSERT(false, "AMX GEMM with a non-fp32 tile");
+inline void tile_gemm_bf16(Bf16Gemm kind, int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t lda,
+                           const uint32_t* b, A* c, int64_t ldc, bool accumulate, Band band) {
+  if constexpr (std::is_same_v<A, float>) bf16_tile_gemm(kind, M, N, K, a, lda, b, c, ldc, accumulate, band);
+  else TORCH_INTERNAL_ASSERT(false, "bf16 GEMM with a non-fp32 tile");
 }
 
 // n fp32 values (a multiple of the vector width) rounded to bf16 (nearest even).
@@ -277,14 +283,15 @@ inline void round_row_to_bf16(const A* src, int64_t n, c10::BFloat16* dst) {
   for (int64_t j = 0; j < n; ++j) dst[j] = c10::BFloat16(static_cast<float>(src[j]));
 }
 
-// Rows [row0, row0 + n_valid) of head (b, h) of bf16 view v, n values each, copied as rows
-// n_amx wide (zero padded) into dst, then zero rows up to n_rows: the AMX operands' staging.
-inline void stage_bf16_rows(const View4& v, int64_t b, int64_t h, int64_t row0, int64_t n_valid, int64_t n_rows,
-                            int64_t n, int64_t n_amx, c10::BFloat16* dst) {
+// Rows row0 + [0, n_rows) of head (b, h) of bf16 view v, n values each, as rows n_bf16 wide
+// (zero padded) in dst: those in [valid_begin, valid_end) copied, the others zeros: the bf16
+// GEMMs' staging.
+inline void stage_bf16_rows(const View4& v, int64_t b, int64_t h, int64_t row0, int64_t valid_begin,
+                            int64_t valid_end, int64_t n_rows, int64_t n, int64_t n_bf16, c10::BFloat16* dst) {
   for (int64_t j = 0; j < n_rows; ++j) {
-    c10::BFloat16* row = dst + j * n_amx;
-    if (j < n_valid) put_bf16_row(row_ptr<c10::BFloat16>(v, b, h, row0 + j), n, n_amx, row);
-    else std::fill(row, row + n_amx, c10::BFloat16(0.0f));
+    c10::BFloat16* row = dst + j * n_bf16;
+    if (j >= valid_begin && j < valid_end) put_bf16_row(row_ptr<c10::BFloat16>(v, b, h, row0 + j), n, n_bf16, row);
+    else std::fill(row, row + n_bf16, c10::BFloat16(0.0f));
   }
 }
 
@@ -368,7 +375,7 @@ inline void put_rows_transposed_panels(const A* rows, int64_t ld, int64_t n_rows
 }
 
 // Packs key block kb of kv head (b, h) into block `blk` of packed head `dst_head`, through
-// the block's rows converted to fp32 (and, for the AMX layouts, copied as bf16) in the calling
+// the block's rows converted to fp32 (and, for the pair-word layouts, copied as bf16) in the calling
 // thread's scratch.
 template <typename T, typename A>
 void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t b, int64_t h,
@@ -392,21 +399,24 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t
   }
   TORCH_INTERNAL_ASSERT(!a.block_table || !(pk.kw || pk.vw || pk.vpw || pk.kpw), "paged caches take the fp32 path");
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    // AMX pair words from the bf16 rows themselves (zero rows past the block's keys).
-    auto stage = [&](const View4& view, int64_t n, int64_t n_amx) {
-      c10::BFloat16* const rows = thread_scratch<c10::BFloat16, Scratch::kPackBf16Rows>(cols * n_amx);
-      stage_bf16_rows(view, b, h, k0, n_keys, cols, n, n_amx, rows);
+    // Pair words from the bf16 rows themselves (zero rows past the block's keys and for the
+    // keys no query sees, Shape::first_seen_key).
+    const int64_t seen_begin = std::max<int64_t>(0, sh.first_seen_key() - k0);
+    const int64_t seen_end = std::min(n_keys, sh.end_seen_key() - k0);
+    auto stage = [&](const View4& view, int64_t n, int64_t n_bf16) {
+      c10::BFloat16* const rows = thread_scratch<c10::BFloat16, Scratch::kPackBf16Rows>(cols * n_bf16);
+      stage_bf16_rows(view, b, h, k0, seen_begin, seen_end, cols, n, n_bf16, rows);
       return rows;
     };
     if (pk.kw || pk.kpw) {
-      const c10::BFloat16* k_bf16 = stage(a.k, sh.D, sh.D_amx);
-      if (pk.kw) put_rows_pair_panels(k_bf16, sh.D_amx, cols, sh.D_amx, pk.kw_block(dst_head, blk));
-      if (pk.kpw) put_row_pairs_panels(k_bf16, sh.D_amx, cols, sh.D_amx, pk.kpw_block(dst_head, blk));
+      const c10::BFloat16* k_bf16 = stage(a.k, sh.D, sh.D_bf16);
+      if (pk.kw) put_rows_pair_panels(k_bf16, sh.D_bf16, cols, sh.D_bf16, pk.kw_block(dst_head, blk));
+      if (pk.kpw) put_row_pairs_panels(k_bf16, sh.D_bf16, cols, sh.D_bf16, pk.kpw_block(dst_head, blk));
     }
     if (pk.vw || pk.vpw) {
-      const c10::BFloat16* v_bf16 = stage(a.v, sh.Dv, sh.Dv_amx);
-      if (pk.vw) put_rows_pair_panels(v_bf16, sh.Dv_amx, cols, sh.Dv_amx, pk.vw_block(dst_head, blk));
-      if (pk.vpw) put_row_pairs_panels(v_bf16, sh.Dv_amx, cols, sh.Dv_amx, pk.vpw_block(dst_head, blk));
+      const c10::BFloat16* v_bf16 = stage(a.v, sh.Dv, sh.Dv_bf16);
+      if (pk.vw) put_rows_pair_panels(v_bf16, sh.Dv_bf16, cols, sh.Dv_bf16, pk.vw_block(dst_head, blk));
+      if (pk.vpw) put_row_pairs_panels(v_bf16, sh.Dv_bf16, cols, sh.Dv_bf16, pk.vpw_block(dst_head, blk));
     }
   }
   if (pk.kt) put_rows_transposed_panels(k_rows, sh.D_pad, cols, sh.D, pk.kt_block(dst_head, blk));
@@ -722,7 +732,7 @@ inline std::vector<AttnArgs> split_sequences(const AttnArgs& a) {
 }
 
 // The keys and values of a B = 1 paged call copied out of their pages into `buf` as
-// (Hkv, Lk, D) and (Hkv, Lk, Dv): the layout the flash kernels read (their AMX path stages
+// (Hkv, Lk, D) and (Hkv, Lk, Dv): the layout the flash kernels read (their bf16 GEMM path stages
 // bf16 rows straight from the views). O(Lk * D), beside the call's O(Lq * Lk * D).
 template <typename T>
 AttnArgs gather_pages(AttnArgs s, std::vector<T>& buf) {

@@ -23,9 +23,10 @@
 // Memory per task: reads its Q block once and every visible packed K/V block (L2-resident for
 // a head at moderate Lk); writes its out block and lse once. The Lq x Lk matrix never exists:
 // the S tile (144 x 192 fp32 = 108 KB) is the only score storage.
-// bf16 with AMX (amx_bf16.h): S = Q K^T from the inputs' bf16 rows (exact products, K packed as
-// pair words) and acc += P V with P rounded to bf16 (its fp32 copy gives the row sums), both on
-// the tiles; the softmax and acc stay fp32.
+// bf16 at the AVX-512 level with AMX-BF16 or AVX512-BF16 (bf16_gemm.h): S = Q K^T from the
+// inputs' bf16 rows (exact products, K packed as pair words) and acc += P V with P rounded to
+// bf16 (its fp32 copy gives the row sums), both on the bf16 instructions; the softmax and acc
+// stay fp32.
 #include <optional>
 #include <vector>
 
@@ -36,7 +37,7 @@ namespace {
 
 using namespace attn;
 
-// The GEMMs of a query block, fp32 micro-kernel (every dtype; bf16 without AMX): Q staged in
+// The GEMMs of a query block, fp32 micro-kernel (every dtype; bf16 without bf16 GEMMs): Q staged in
 // MR-row panels (the S GEMM streams them sequentially), S = Q K^T against packed K^T panels,
 // acc (+)= P V against packed V column panels.
 template <typename T>
@@ -47,7 +48,7 @@ struct Fp32Gemms {
   A* const q_rows;    // one panel's rows, staged
   A* const q_packed;  // MR-row panels
 
-  explicit Fp32Gemms(const Shape<A>& shape)
+  Fp32Gemms(const Shape<A>& shape, Bf16Gemm)
       : sh(shape),
         q_rows(thread_scratch<A, Scratch::kFwdQStage>(MR * shape.D_pad)),
         q_packed(thread_scratch<A, Scratch::kFwdQPanels>(kQBlockRows<A> * shape.D)) {}
@@ -78,36 +79,38 @@ struct Fp32Gemms {
   }
 };
 
-// The GEMMs of a query block on AMX tiles (bf16 inputs, amx_bf16.h): S = Q K^T from the block's
+// The GEMMs of a query block on bf16 instructions (bf16 inputs, bf16_gemm.h): S = Q K^T from the block's
 // bf16 rows (exact products), acc (+)= P V with P rounded to bf16 row by row (p_row; the row sums
 // stay those of the fp32 P, as torch's CPU flash attention and FlashAttention round).
 template <typename T>
-struct AmxGemms {
+struct Bf16Gemms {
   using A = acc_t<T>;
   const Shape<A>& sh;
+  const Bf16Gemm kind;
   c10::BFloat16* const q_bf16;  // the block's bf16 rows, zero rows up to a multiple of 16
   c10::BFloat16* const p_bf16;  // P rounded to bf16, rows of kBlockK, zero rows up to a multiple of 16
-  static_assert(kBlockQ % 16 == 0, "AMX tiles of P and acc stay within the block's rows");
+  static_assert(kBlockQ % 16 == 0, "16-row tiles of P and acc stay within the block's rows");
 
-  explicit AmxGemms(const Shape<A>& shape)
+  Bf16Gemms(const Shape<A>& shape, Bf16Gemm gemm_kind)
       : sh(shape),
-        q_bf16(thread_scratch<c10::BFloat16, Scratch::kFwdQBf16>((kBlockQ + 16) * shape.D_amx)),
+        kind(gemm_kind),
+        q_bf16(thread_scratch<c10::BFloat16, Scratch::kFwdQBf16>((kBlockQ + 16) * shape.D_bf16)),
         p_bf16(thread_scratch<c10::BFloat16, Scratch::kFwdPBf16>(kBlockQ * kBlockK)) {
-    TORCH_INTERNAL_ASSERT(sh.Dv_amx == sh.Dv_pad, "AMX P V tiles write acc rows Dv_pad wide");
+    TORCH_INTERNAL_ASSERT(sh.Dv_bf16 == sh.Dv_pad, "bf16 P V tiles write acc rows Dv_pad wide");
   }
 
   void load_q(const AttnArgs& a, int64_t b, int64_t h, int64_t q0, int64_t n_q) {
-    stage_bf16_rows(a.q, b, h, q0, n_q, round_up_to(n_q, 16), sh.D, sh.D_amx, q_bf16);
+    stage_bf16_rows(a.q, b, h, q0, 0, n_q, round_up_to(n_q, 16), sh.D, sh.D_bf16, q_bf16);
     std::fill(p_bf16 + n_q * kBlockK, p_bf16 + round_up_to(n_q, 16) * kBlockK, c10::BFloat16(0.0f));
   }
   void scores(const Packed<A>& pk, int64_t bh_kv, int64_t kb, int64_t n_q, int64_t cols, A* s_tile, Band band) const {
-    tile_gemm_amx(n_q, cols, sh.D_amx, q_bf16, sh.D_amx, pk.kw_block(bh_kv, kb), s_tile, kScoreLd, false, band);
+    tile_gemm_bf16(kind, n_q, cols, sh.D_bf16, q_bf16, sh.D_bf16, pk.kw_block(bh_kv, kb), s_tile, kScoreLd, false, band);
   }
   void p_row(const A* p, int64_t i, int64_t cols) { round_row_to_bf16(p, cols, p_bf16 + i * kBlockK); }
   // Over the block's score columns (whole pair words; the padding columns' P is 0).
   void pv(const Packed<A>& pk, int64_t bh_kv, int64_t kb, int64_t n_q, int64_t, int64_t cols, const A*, A* acc,
           bool accumulate, Band band) const {
-    tile_gemm_amx(n_q, sh.Dv_amx, cols, p_bf16, kBlockK, pk.vpw_block(bh_kv, kb), acc, sh.Dv_pad, accumulate, band);
+    tile_gemm_bf16(kind, n_q, sh.Dv_bf16, cols, p_bf16, kBlockK, pk.vpw_block(bh_kv, kb), acc, sh.Dv_pad, accumulate, band);
   }
 };
 
@@ -202,31 +205,32 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
 // query blocks sharing K/V packed up front for every head (written to memory and read back by
 // each task of the head).
 template <typename T, class Gemms>
-void run_tasks(const FwdCall<T>& c, bool amx) {
+void run_tasks(const FwdCall<T>& c, Bf16Gemm kind) {
   using A = acc_t<T>;
   const Shape<A>& sh = c.sh;
-  const int64_t k_packed_bytes = amx ? sh.D_amx * 2 : sh.D * static_cast<int64_t>(sizeof(A));  // per key
-  const int64_t v_packed_bytes = amx ? sh.Dv_amx * 2 : sh.Dv_pad * static_cast<int64_t>(sizeof(A));
+  const bool pairs = kind != Bf16Gemm::kFp32;
+  const int64_t k_packed_bytes = pairs ? sh.D_bf16 * 2 : sh.D * static_cast<int64_t>(sizeof(A));  // per key
+  const int64_t v_packed_bytes = pairs ? sh.Dv_bf16 * 2 : sh.Dv_pad * static_cast<int64_t>(sizeof(A));
   const int64_t head_packed_bytes = sh.n_kb * sh.Bk_pad * (k_packed_bytes + v_packed_bytes);
   const bool pack_in_task = head_packed_bytes <= kPackInTaskBytes &&
                             sh.B * sh.H >= kHeadTasksPerThread * at::get_num_threads();
   std::optional<Packed<A>> shared;
   if (!pack_in_task) {
-    shared.emplace(sh, sh.B * sh.Hkv, sh.n_kb, /*backward=*/false, amx);
+    shared.emplace(sh, sh.B * sh.Hkv, sh.n_kb, /*backward=*/false, pairs);
     pack_kv<T, A>(c.a, sh, *shared);
   }
   const double flops = 2.0 * sh.B * sh.H * sh.Lq * sh.Lk * (sh.D + sh.Dv);
   const int64_t n_tasks = pack_in_task ? sh.B * sh.H : sh.B * sh.H * sh.n_qb;
   parallel_tasks(n_tasks, flops, [&](int64_t task) {
-    const AmxTiles tiles(amx);
-    Gemms gemms(sh);
+    const AmxTiles tiles(kind);
+    Gemms gemms(sh, kind);
     const int64_t bh = pack_in_task ? task : task / sh.n_qb;
     const int64_t b = bh / sh.H, h = bh % sh.H, hkv = h / sh.G;
     if (!pack_in_task) {
       query_block(c, gemms, *shared, b * sh.Hkv + hkv, b, h, task % sh.n_qb);
       return;
     }
-    Packed<A> own(sh, 1, sh.n_kb, /*backward=*/false, amx);
+    Packed<A> own(sh, 1, sh.n_kb, /*backward=*/false, pairs);
     const int64_t kb_end = sh.kb_end(sh.Lq);  // the blocks some query of the head can see
     for (int64_t kb = sh.kb_begin(0); kb < kb_end; ++kb) pack_kv_block<T, A>(c.a, sh, own, b, hkv, kb, 0, kb);
     for (int64_t qb = 0; qb < sh.n_qb; ++qb) query_block(c, gemms, own, 0, b, h, qb);
@@ -253,9 +257,10 @@ void attention_fwd_typed(const AttnArgs& a) {
   }
   const FwdCall<T> c(a);
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (use_amx_bf16()) return run_tasks<T, AmxGemms<T>>(c, true);
+    const Bf16Gemm kind = bf16_gemm();
+    if (kind != Bf16Gemm::kFp32) return run_tasks<T, Bf16Gemms<T>>(c, kind);
   }
-  run_tasks<T, Fp32Gemms<T>>(c, false);
+  run_tasks<T, Fp32Gemms<T>>(c, Bf16Gemm::kFp32);
 }
 
 }  // namespace

@@ -13,11 +13,15 @@ namespace fastformer::cpu {
 
 constexpr int kMaxDims = 8;
 
-// Whether the AVX-512 level may use AMX-BF16 tile instructions (csrc/cpu/amx_bf16.h) for bf16
-// inputs: the CPU has AMX-TILE and AMX-BF16, the kernel granted the process the tile data state
-// (arch_prctl), and neither FASTFORMER_CPU_AMX=0 nor set_cpu_amx(False) turned it off. Decided
-// on first use (bindings.cpp); the other levels never ask.
-bool amx_bf16_enabled();
+// The instructions the AVX-512 level's bf16 attention GEMMs may use (csrc/cpu/bf16_gemm.h):
+//   kAmx: the CPU has AMX-TILE and AMX-BF16, the kernel granted the process the tile data state
+//         (arch_prctl), and neither FASTFORMER_CPU_AMX=0 nor set_cpu_amx(False) turned it off;
+//   kDot: else AVX512-BF16 (VDPBF16PS), unless FASTFORMER_CPU_AVX512_BF16=0 or
+//         set_cpu_avx512_bf16(False) turned it off;
+//   kFp32: else, the fp32 micro-kernel on fp32 copies.
+// Decided on first use (bindings.cpp); the other levels never ask.
+enum class Bf16Gemm { kFp32, kDot, kAmx };
+Bf16Gemm bf16_gemm_mode();
 
 // Addresses row r of a tensor whose last dimension is contiguous and whose leading dimensions
 // have arbitrary strides (transposed views, slices). Dimensions are coalesced by the bindings,

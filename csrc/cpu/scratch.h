@@ -30,8 +30,8 @@ enum class Scratch : int {
   // attention forward (attention_fwd.cpp)
   kFwdQStage,          // one MR-row panel's Q rows, fp32
   kFwdQPanels,         // the query block's Q in MR-row panels
-  kFwdQBf16,           // AMX: the block's bf16 Q rows
-  kFwdPBf16,           // AMX: P rounded to bf16
+  kFwdQBf16,           // bf16 GEMMs: the block's bf16 Q rows
+  kFwdPBf16,           // bf16 GEMMs: P rounded to bf16
   kFwdScores,          // the S / P tile
   kFwdAcc,             // the output accumulator
   kFwdBias,            // one score row's bias (masks)
@@ -56,16 +56,16 @@ enum class Scratch : int {
   kBwdDqOwn,           // dQ of the head when the task owns it
   kBwdSoftcapGrad,     // softcap: 1 - tanh^2 of a row's scores
   kBwdRelParts,        // the tasks' parts of d rel_bias (shared by the tasks)
-  kBwdQBf16,           // AMX: bf16 rows of Q, dO and their transposes
+  kBwdQBf16,           // bf16 GEMMs: bf16 rows of Q, dO and their transposes
   kBwdDoBf16,
   kBwdQtBf16,
   kBwdDotBf16,
   kBwdTransposeWords,
-  kBwdPBf16,           // AMX: P', dS rounded to bf16, and as query-pair words
+  kBwdPBf16,           // bf16 GEMMs: P', dS rounded to bf16, and as query-pair words
   kBwdDsBf16,
   kBwdPPairs,
   kBwdDsPairs,
-  kBwdDktAcc,          // AMX: dK^T, dV^T accumulators
+  kBwdDktAcc,          // bf16 GEMMs: dK^T, dV^T accumulators
   kBwdDvtAcc,
 
   // attention decoding (attention_decode.cpp)
@@ -92,7 +92,7 @@ enum class Scratch : int {
   kPackVpw,
   kPackKRows,          // a key block's rows in fp32, staged
   kPackVRows,
-  kPackBf16Rows,       // AMX: a key block's bf16 rows, staged
+  kPackBf16Rows,       // bf16 GEMMs: a key block's bf16 rows, staged
 
   // packed GEMM (gemm_packed.h) and the FFN (ffn.cpp)
   kGemmAPack,

@@ -1,23 +1,27 @@
-// AMX-BF16 tile GEMM for the attention GEMMs with bf16 inputs (attention_fwd.cpp,
-// attention_bwd.cpp say which operands are rounded to bf16), and the layouts it reads, at the
-// AVX-512 level on CPUs with AMX (amx_bf16_enabled(), cpu_kernels.h); the other levels and
-// dtypes use the fp32 micro-kernel (gemm.h).
+// bf16 tile GEMMs for the attention GEMMs with bf16 inputs (attention_fwd.cpp, attention_bwd.cpp
+// say which operands are rounded to bf16), and the layouts they read, at the AVX-512 level:
+// AMX-BF16 tiles where the CPU has them, else AVX512-BF16 VDPBF16PS (bf16_gemm_mode(),
+// cpu_kernels.h, decides once per kernel call); the other levels and dtypes use the fp32
+// micro-kernel (gemm.h).
 //
-// C[M x N] (fp32) = A[M x K] B[K x N] with A and B in bf16: TDPBF16PS multiplies a 16 x 32 bf16
-// A tile by a 32 x 16 B tile into a 16 x 16 fp32 tile (bf16 products are exact in fp32; sums
-// rounded to nearest even; bf16 denormal inputs read as 0, fp32 denormal results flushed to 0).
+// C[M x N] (fp32) = A[M x K] B[K x N] with A and B in bf16. Both instructions multiply pairs of
+// bf16 values and add both products to an fp32 lane (bf16 products are exact in fp32; sums
+// rounded to nearest even; bf16 denormal inputs read as 0, fp32 denormal results flushed to 0),
+// so the two kernels read the same operands:
 //   A: bf16 rows, element (i, k) at a[i * lda + k]; K a multiple of 32 (zero padded), rows
 //      readable (zeros) up to round_up(M, 16).
-//   B: "pair words", the layout TDPBF16PS reads: elements (2p, j) and (2p + 1, j) as one 32-bit
-//      word, 16-column panels: word (p, j) at b[(j / 16) * (K / 2) * 16 + p * 16 + j % 16]. For
-//      B = K^T of a row-major K this is a 32-bit transpose of K's rows read as words
-//      (put_rows_pair_panels); for B = a row-major matrix itself, its rows interleaved in pairs
-//      (put_row_pairs_panels).
+//   B: "pair words": elements (2p, j) and (2p + 1, j) as one 32-bit word, 16-column panels:
+//      word (p, j) at b[(j / 16) * (K / 2) * 16 + p * 16 + j % 16]. For B = K^T of a row-major
+//      K this is a 32-bit transpose of K's rows read as words (put_rows_pair_panels); for B = a
+//      row-major matrix itself, its rows interleaved in pairs (put_row_pairs_panels).
 //   C: element (i, j) at c[i * ldc + j], written (C = A B) or loaded and added to (C += A B);
 //      rows up to round_up(M, 16) are stored (zero rows of A add nothing), N is a multiple of 16.
-// Per 32 x 32 block of C: four accumulator tiles (tmm0-3); per 32 values of K two A tiles and
-// two B tiles (tmm4-7, 4 KB from L1/L2) feed four TDPBF16PS (32 K multiply-adds). One core,
+// AMX, per 32 x 32 block of C: four accumulator tiles (tmm0-3); per 32 values of K two A tiles
+// and two B tiles (tmm4-7, 4 KB from L1/L2) feed four TDPBF16PS (32 K multiply-adds). One core,
 // 128 x 192 x 64 with the C stores: 667 GFLOP/s, against ~200 for the fp32 micro-kernel.
+// AVX512-BF16, per 8 x 32 block of C: 16 zmm accumulators; per pair of K values two pair-word
+// vectors of B and 8 broadcast words of A feed 16 VDPBF16PS (two multiply-adds per lane each,
+// twice the fp32 FMA's work per instruction).
 //
 // The tile registers are configured once per task (AmxTiles: LDTILECFG, then TILERELEASE so
 // the thread does not carry 8 KB of tile state through context switches).
@@ -34,20 +38,23 @@
 #define FF_HAVE_AMX 1
 #include <immintrin.h>
 #define FF_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
+#define FF_DOT_TARGET __attribute__((target("avx512bf16")))
 #endif
 
 namespace fastformer::cpu::CPU_CAPABILITY {
 
-// Whether bf16 attention GEMMs run on AMX tiles in this call (asked once per kernel call).
-inline bool use_amx_bf16() {
+// The instructions of this call's bf16 attention GEMMs (asked once per kernel call): kFp32 means
+// the fp32 micro-kernel on fp32 copies (every level without AVX-512, CPUs without AVX512-BF16).
+inline Bf16Gemm bf16_gemm() {
 #ifdef FF_HAVE_AMX
-  return amx_bf16_enabled();
+  return bf16_gemm_mode();
 #else
-  return false;
+  return Bf16Gemm::kFp32;
 #endif
 }
 
 constexpr int64_t kAmxK = 32;  // bf16 values of K per tile row (64 bytes)
+constexpr int kDotRows = 8;    // rows of C per VDPBF16PS block
 
 // K padded with zero columns to whole tile rows (a multiple of kAmxK).
 inline int64_t amx_padded_k(int64_t k) { return round_up_to(k, kAmxK); }
@@ -117,10 +124,10 @@ inline void transpose_bf16(const c10::BFloat16* rows, int64_t ld, int64_t n_rows
 }
 
 // The calling thread's tiles configured for amx_tile_gemm (eight 16-row x 64-byte tiles,
-// palette 1) for the scope's lifetime when `on`; released at its end.
+// palette 1) for the scope's lifetime when the GEMMs run on AMX; released at its end.
 class AmxTiles {
  public:
-  explicit AmxTiles(bool on) : on_(on) {
+  explicit AmxTiles(Bf16Gemm kind) : on_(kind == Bf16Gemm::kAmx) {
     if (on_) configure();
   }
   ~AmxTiles() {
@@ -217,10 +224,71 @@ FF_AMX_TARGET inline void amx_tile_gemm(int64_t M, int64_t N, int64_t K, const c
     }
   }
 }
+
+// One 8 x (16 NV) block of C (+)= A B over [0, K): per pair of K values, NV pair-word vectors
+// of B and 8 broadcast A words (the pair (i, 2p), 2p + 1 of row i) feed 8 NV VDPBF16PS.
+template <int NV>
+FF_DOT_TARGET inline void dot_block(int64_t K, const c10::BFloat16* a, int64_t lda, const uint32_t* b,
+                                    int64_t b_panel, float* c, int64_t ldc, bool accumulate) {
+  constexpr int MR = kDotRows;
+  __m512 acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) acc[i][v] = accumulate ? _mm512_loadu_ps(c + i * ldc + 16 * v) : _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int64_t p = 0; p < K / 2; ++p) {
+    __m512bh b_vec[NV];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) b_vec[v] = (__m512bh)_mm512_loadu_si512(b + v * b_panel + p * 16);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      uint32_t word;
+      std::memcpy(&word, a + i * lda + 2 * p, 4);
+      const __m512bh a_pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(word));
+#pragma GCC unroll 2
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_dpbf16_ps(acc[i][v], a_pair, b_vec[v]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + i * ldc + 16 * v, acc[i][v]);
+}
+
+// amx_tile_gemm's contract on VDPBF16PS, by 8 x 32 blocks of C (8 x 16 for a last odd panel),
+// every row block of round_up(M, 16). band: kColsUpTo skips the blocks wholly above the causal
+// diagonal, kInnerUpTo ends each 8-row block's K range at the last pair its rows may use.
+FF_DOT_TARGET inline void dot_tile_gemm(int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t lda,
+                                        const uint32_t* b, float* c, int64_t ldc, bool accumulate, Band band) {
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(K % 2 == 0 && N % 16 == 0 && band.kind != Band::kInnerFrom);
+  const int64_t b_panel = K / 2 * 16;  // words per 16-column panel
+  const int64_t rows = round_up_to(M, 16);
+  for (int64_t j = 0; j < N; j += 32) {
+    const bool two_cols = j + 16 < N;
+    const uint32_t* b_j = b + (j / 16) * b_panel;
+    const int64_t i_begin =
+        band.kind == Band::kColsUpTo ? std::max<int64_t>(0, j - band.diag) / kDotRows * kDotRows : 0;
+    for (int64_t i = i_begin; i < rows; i += kDotRows) {
+      const int64_t k_end = band.kind == Band::kInnerUpTo
+                                ? std::clamp<int64_t>(round_up_to(std::max<int64_t>(0, i + kDotRows + band.diag), 2), 0, K)
+                                : K;
+      if (two_cols) dot_block<2>(k_end, a + i * lda, lda, b_j, b_panel, c + i * ldc + j, ldc, accumulate);
+      else dot_block<1>(k_end, a + i * lda, lda, b_j, b_panel, c + i * ldc + j, ldc, accumulate);
+    }
+  }
+}
+
+// C (+)= A B on the call's bf16 instructions (kind: kAmx inside an AmxTiles scope, or kDot).
+inline void bf16_tile_gemm(Bf16Gemm kind, int64_t M, int64_t N, int64_t K, const c10::BFloat16* a, int64_t lda,
+                           const uint32_t* b, float* c, int64_t ldc, bool accumulate, Band band) {
+  if (kind == Bf16Gemm::kAmx) amx_tile_gemm(M, N, K, a, lda, b, c, ldc, accumulate, band);
+  else dot_tile_gemm(M, N, K, a, lda, b, c, ldc, accumulate, band);
+}
 #else
-inline void amx_tile_gemm(int64_t, int64_t, int64_t, const c10::BFloat16*, int64_t, const uint32_t*, float*,
-                          int64_t, bool = false, Band = {}) {
-  TORCH_INTERNAL_ASSERT(false, "AMX GEMM at a level without AMX");
+inline void bf16_tile_gemm(Bf16Gemm, int64_t, int64_t, int64_t, const c10::BFloat16*, int64_t, const uint32_t*,
+                           float*, int64_t, bool, Band) {
+  TORCH_INTERNAL_ASSERT(false, "bf16 tile GEMM at a level without AVX-512");
 }
 #endif  // FF_HAVE_AMX
 
