@@ -218,7 +218,7 @@ py::dict cpu_info() {
   built.append("avx512");
 #endif
   d["built"] = built;
-  // Used by the avx512 level's bf16 attention score GEMMs (csrc/cpu/amx_bf16.h).
+  // Used by the avx512 level's bf16 attention GEMMs (csrc/cpu/bf16_gemm.h).
   d["amx_bf16"] = amx_state().enabled;  // the switch (set_cpu_amx); in use: amx_in_use()
   d["amx_in_use"] = amx_in_use();
   d["amx_note"] = amx_state().note;

@@ -21,7 +21,9 @@
 // 128 x 192 x 64 with the C stores: 667 GFLOP/s, against ~200 for the fp32 micro-kernel.
 // AVX512-BF16, per 8 x 32 block of C: 16 zmm accumulators; per pair of K values two pair-word
 // vectors of B and 8 broadcast words of A feed 16 VDPBF16PS (two multiply-adds per lane each,
-// twice the fp32 FMA's work per instruction).
+// twice the fp32 FMA's work per instruction). 2-core Zen 5, bf16 attention forward+backward at
+// (8, 8, 512, 64): 29-30 ms against 44-45 on the fp32 micro-kernel over fp32 copies; causal
+// (1, 16, 2048, 128): 101-119 against 166-172 (same process, alternating, best of 5).
 //
 // The tile registers are configured once per task (AmxTiles: LDTILECFG, then TILERELEASE so
 // the thread does not carry 8 KB of tile state through context switches).
