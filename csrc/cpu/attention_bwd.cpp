@@ -382,6 +382,7 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t, Bf16Gemm kind) {
         // dropout (most of them): P and dS in one pass over the row.
         const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul);
         const bool plain_tile = unmasked && !c.threshold;
+        const bool shared_bias = sh.shared_bias(a, q0, q0 + n_q, kb);
         for (int64_t i = 0; i < n_q; ++i) {
           A* p = p_tile + i * kScoreLd;
           A* ds = ds_tile + i * kScoreLd;
@@ -407,7 +408,7 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t, Bf16Gemm kind) {
           if (unmasked) {
             exp2_row(p, cols, lse_log2, c.score_mul);  // P = exp(scale S - lse)
           } else {
-            score_row(a, sh, p, c.score_mul, b, h, q0 + i, k0, n_keys, cols, cut, bias, d_cap);
+            score_row(a, sh, p, c.score_mul, b, h, q0 + i, k0, n_keys, cols, cut, bias, d_cap, shared_bias && i > 0);
             exp2_row(p, cols, lse_log2);  // P = exp(s - lse)
           }
           if (diagonal) {

@@ -164,10 +164,12 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
     // score, or after score_row's transform and bias. (A scale <= 0, allowed, flips which
     // score is the max: score_row handles it.)
     const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul);
+    const bool shared_bias = sh.shared_bias(a, q0, q0 + n_q, kb);
     for (int64_t i = 0; i < n_q; ++i) {
       A* s = s_tile + i * kScoreLd;
       const A block_max = unmasked ? row_max_of(s, cols) * c.score_mul  // log2 units
-                                   : score_row(a, sh, s, c.score_mul, b, h, q0 + i, k0, n_keys, cols, cut, bias);
+                                   : score_row(a, sh, s, c.score_mul, b, h, q0 + i, k0, n_keys, cols, cut, bias,
+                                               static_cast<A*>(nullptr), shared_bias && i > 0);
       const A new_max = std::max(row_max[i], block_max);
       // alpha = 1 exactly when the max did not move (most key blocks): no exp call.
       const A alpha = new_max == row_max[i] ? A(1) : online_softmax_alpha_log2(row_max[i], new_max);
