@@ -198,12 +198,6 @@ void set_cpu_avx512_bf16(bool enable) { avx512_bf16_state().set(enable, "set_cpu
 // AMX usable and on.
 bool amx_in_use() { return cpu_state().level == kAvx512 && amx_state().enabled; }
 
-cpu::Bf16Gemm bf16_gemm_in_use() {
-  if (cpu_state().level != kAvx512) return cpu::Bf16Gemm::kFp32;
-  if (amx_state().enabled) return cpu::Bf16Gemm::kAmx;
-  return avx512_bf16_state().enabled ? cpu::Bf16Gemm::kDot : cpu::Bf16Gemm::kFp32;
-}
-
 py::dict cpu_info() {
   py::dict d;
   d["capability"] = kLevelNames[cpu_state().level];
@@ -225,7 +219,7 @@ py::dict cpu_info() {
   d["avx512_bf16"] = avx512_bf16_state().enabled;  // the switch (set_cpu_avx512_bf16)
   d["avx512_bf16_note"] = avx512_bf16_state().note;
   constexpr const char* kBf16GemmNames[] = {"fp32", "avx512_bf16", "amx"};
-  d["bf16_attention_gemm"] = kBf16GemmNames[static_cast<int>(bf16_gemm_in_use())];
+  d["bf16_attention_gemm"] = kBf16GemmNames[static_cast<int>(cpu::bf16_gemm_mode())];
 #ifdef FASTFORMER_WITH_CUDA
   d["cuda"] = true;
 #else
@@ -237,7 +231,11 @@ py::dict cpu_info() {
 }  // namespace
 
 namespace cpu {
-Bf16Gemm bf16_gemm_mode() { return bf16_gemm_in_use(); }
+Bf16Gemm bf16_gemm_mode() {
+  if (cpu_state().level != kAvx512) return Bf16Gemm::kFp32;
+  if (amx_state().enabled) return Bf16Gemm::kAmx;
+  return avx512_bf16_state().enabled ? Bf16Gemm::kDot : Bf16Gemm::kFp32;
+}
 const KernelTable& kernels() { return cpu_state().table; }
 }  // namespace cpu
 }  // namespace fastformer

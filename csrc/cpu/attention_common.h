@@ -77,8 +77,8 @@ struct Shape {
     B = a.B; H = a.H; Hkv = a.Hkv; G = a.H / a.Hkv; Lq = a.Lq; Lk = a.Lk; D = a.D; Dv = a.Dv;
     D_pad = round_up_to(D, NR);
     Dv_pad = round_up_to(Dv, NR);
-    D_bf16 = amx_padded_k(D);
-    Dv_bf16 = amx_padded_k(Dv);
+    D_bf16 = bf16_padded_k(D);
+    Dv_bf16 = bf16_padded_k(Dv);
     Bk_pad = round_up_to(std::clamp<int64_t>(Lk, 1, kBlockK), NR);  // the widest block's columns
     n_kb = (Lk + kBlockK - 1) / kBlockK;
     n_qb = (Lq + kBlockQ - 1) / kBlockQ;

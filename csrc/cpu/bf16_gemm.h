@@ -37,7 +37,7 @@
 #include "cpu/gemm.h"
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__x86_64__) && defined(__GNUC__)
-#define FF_HAVE_AMX 1
+#define FF_HAVE_BF16_GEMM 1
 #include <immintrin.h>
 #define FF_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
 #define FF_DOT_TARGET __attribute__((target("avx512bf16")))
@@ -48,7 +48,7 @@ namespace fastformer::cpu::CPU_CAPABILITY {
 // The instructions of this call's bf16 attention GEMMs (asked once per kernel call): kFp32 means
 // the fp32 micro-kernel on fp32 copies (every level without AVX-512, CPUs without AVX512-BF16).
 inline Bf16Gemm bf16_gemm() {
-#ifdef FF_HAVE_AMX
+#ifdef FF_HAVE_BF16_GEMM
   return bf16_gemm_mode();
 #else
   return Bf16Gemm::kFp32;
@@ -58,8 +58,9 @@ inline Bf16Gemm bf16_gemm() {
 constexpr int64_t kAmxK = 32;  // bf16 values of K per tile row (64 bytes)
 constexpr int kDotRows = 8;    // rows of C per VDPBF16PS block
 
-// K padded with zero columns to whole tile rows (a multiple of kAmxK).
-inline int64_t amx_padded_k(int64_t k) { return round_up_to(k, kAmxK); }
+// K padded with zero columns to whole AMX tile rows (a multiple of kAmxK): the pair-word
+// layouts both kernels read.
+inline int64_t bf16_padded_k(int64_t k) { return round_up_to(k, kAmxK); }
 
 // Copies a row of n bf16 values and zero-fills it to n_pad.
 inline void put_bf16_row(const c10::BFloat16* src, int64_t n, int64_t n_pad, c10::BFloat16* dst) {
@@ -139,7 +140,7 @@ class AmxTiles {
   AmxTiles& operator=(const AmxTiles&) = delete;
 
  private:
-#ifdef FF_HAVE_AMX
+#ifdef FF_HAVE_BF16_GEMM
   struct alignas(64) Config {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
     uint16_t colsb[16] = {};
@@ -163,7 +164,7 @@ class AmxTiles {
   bool on_;
 };
 
-#ifdef FF_HAVE_AMX
+#ifdef FF_HAVE_BF16_GEMM
 
 // One (16 RT) x (16 CT) block of C (+)= A B over [0, K), RT, CT in {1, 2}.
 template <int RT, int CT>
@@ -292,6 +293,6 @@ inline void bf16_tile_gemm(Bf16Gemm, int64_t, int64_t, int64_t, const c10::BFloa
                            float*, int64_t, bool, Band) {
   TORCH_INTERNAL_ASSERT(false, "bf16 tile GEMM at a level without AVX-512");
 }
-#endif  // FF_HAVE_AMX
+#endif  // FF_HAVE_BF16_GEMM
 
 }  // namespace fastformer::cpu::CPU_CAPABILITY
