@@ -81,6 +81,16 @@ def test_a_case_over_its_tolerance_fails_the_run(fake_bench, capsys):
     assert "2/3 pass" in out and "verdict: FAIL" in out
 
 
+def test_match_runs_only_the_cases_whose_name_contains_it(fake_bench, capsys):
+    fake_bench(FAKE_CASES + [("wrong", 1.0, 1.0, 2e-3)])
+    # "faster" alone: the failing case and "fast" are not run, so the run passes
+    assert bench.main(["--op", "fake", "--dtype", "fp32", "--no-memory", "--match", "faster"]) == 0
+    out = capsys.readouterr().out
+    assert "1/1 pass" in out and "8.00x eager" in out
+    with pytest.raises(SystemExit, match="no case of fake has 'nothing' in its name"):
+        bench.main(["--op", "fake", "--dtype", "fp32", "--no-memory", "--match", "nothing"])
+
+
 def test_summary_logic_on_rows():
     def row(case, err, tol, ours=1.0, eager=2.0, suite="s"):
         return Row(suite, case, "float32", "fwd", {"ours": ours, "eager": eager, "ours_plain": 5.0},
