@@ -372,6 +372,24 @@ def test_compiled_llama_runs_causal_tiles_and_matches_eager():
         _rel_err("logits", got[valid], want[valid])
 
 
+def test_compiled_mistral_fullgraph_matches_eager():
+    """A fullgraph torch.compile of a sliding-window model: traced, the mask function's closure
+    cannot be read, so the window comes as sdpa_mask's full (B, 1, L, L) mask."""
+    ours, eager = _mistral_pair(sliding_window=7)
+    ours.eval()
+    eager.eval()
+    ids, mask, _ = _inputs(L=24, pad=5, left=False)
+    compiled = torch.compile(ours, fullgraph=True)
+    for attention_mask in (None, mask):
+        torch._dynamo.reset()
+        with _spy() as calls, torch.no_grad():
+            got = compiled(input_ids=ids, attention_mask=attention_mask).logits
+            want = eager(input_ids=ids, attention_mask=attention_mask).logits
+        assert calls and all(c["attn_mask"] == (2, 1, 24, 24) for c in calls)
+        valid = (mask.bool() if attention_mask is not None else torch.ones_like(mask, dtype=torch.bool))
+        _rel_err("logits", got[valid], want[valid])
+
+
 def test_mistral_cache_decoding_matches_eager():
     """Chunked prefill and greedy decoding past the window (bottom-right causality with the
     window, sliding-window cache layers), with a left-padded batch."""

@@ -260,6 +260,10 @@ def _with_bias(bias: Tensor, mask: Optional[Tensor], dtype: torch.dtype) -> Tens
 
 # ---- the mask function -------------------------------------------------------------------------
 def _closure(fn: Callable) -> dict:
+    """The values a function closes over by name; {} when traced (dynamo cannot read a
+    function's __closure__: it raised inside a fullgraph torch.compile of a Mistral model)."""
+    if _tracing():
+        return {}
     code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
     if code is None:
         return {}
