@@ -357,6 +357,14 @@ def test_compiled_llama_runs_causal_tiles_and_matches_eager():
                           hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                           initializer_range=INIT)
+    for attention_mask, calls in _compiled_fullgraph_against_eager(ours, eager):
+        assert calls and all(c["causal"] == 1 and c["attn_mask"] is None for c in calls)
+        assert all(c["key_padding"] == (attention_mask is not None) for c in calls)
+
+
+def _compiled_fullgraph_against_eager(ours, eager):
+    """Yields (attention_mask, the kernel calls) of a fullgraph-compiled `ours` on a 24-token
+    batch without and with right padding, after checking its logits against `eager`'s."""
     ours.eval()
     eager.eval()
     ids, mask, _ = _inputs(L=24, pad=5, left=False)
@@ -366,28 +374,17 @@ def test_compiled_llama_runs_causal_tiles_and_matches_eager():
         with _spy() as calls, torch.no_grad():
             got = compiled(input_ids=ids, attention_mask=attention_mask).logits
             want = eager(input_ids=ids, attention_mask=attention_mask).logits
-        assert calls and all(c["causal"] == 1 and c["attn_mask"] is None for c in calls)
-        assert all(c["key_padding"] == (attention_mask is not None) for c in calls)
         valid = (mask.bool() if attention_mask is not None else torch.ones_like(mask, dtype=torch.bool))
         _rel_err("logits", got[valid], want[valid])
+        yield attention_mask, calls
 
 
 def test_compiled_mistral_fullgraph_matches_eager():
     """A fullgraph torch.compile of a sliding-window model: traced, the mask function's closure
     cannot be read, so the window comes as sdpa_mask's full (B, 1, L, L) mask."""
     ours, eager = _mistral_pair(sliding_window=7)
-    ours.eval()
-    eager.eval()
-    ids, mask, _ = _inputs(L=24, pad=5, left=False)
-    compiled = torch.compile(ours, fullgraph=True)
-    for attention_mask in (None, mask):
-        torch._dynamo.reset()
-        with _spy() as calls, torch.no_grad():
-            got = compiled(input_ids=ids, attention_mask=attention_mask).logits
-            want = eager(input_ids=ids, attention_mask=attention_mask).logits
+    for _, calls in _compiled_fullgraph_against_eager(ours, eager):
         assert calls and all(c["attn_mask"] == (2, 1, 24, 24) for c in calls)
-        valid = (mask.bool() if attention_mask is not None else torch.ones_like(mask, dtype=torch.bool))
-        _rel_err("logits", got[valid], want[valid])
 
 
 def test_mistral_cache_decoding_matches_eager():

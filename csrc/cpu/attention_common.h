@@ -525,6 +525,19 @@ inline void bias_row(const AttnArgs& a, const Shape<A>& sh, int64_t b, int64_t h
   }
 }
 
+// The vectors j = 0, kV, .. < cols of a score row by where they fall against its visible keys
+// [lo, hi): outside(j) for those wholly outside, visit(j, std::false_type{}) for those wholly
+// inside (a body without the edge tests) and visit(j, std::true_type{}) for those an edge cuts.
+template <int64_t kV, class Outside, class Visit>
+inline void for_row_vectors(int64_t lo, int64_t hi, int64_t cols, const Outside& outside, const Visit& visit) {
+  int64_t j = 0;
+  for (; j + kV <= lo; j += kV) outside(j);
+  for (; j < hi && (j < lo || j + kV > hi); j += kV) visit(j, std::true_type{});
+  for (; j + kV <= hi; j += kV) visit(j, std::false_type{});
+  for (; j < hi; j += kV) visit(j, std::true_type{});
+  for (; j < cols; j += kV) outside(j);
+}
+
 // Scores of one row, in place over [0, cols) (cols = Shape::block_cols(n_keys)), in log2 units:
 // s_j = transform(S_j) (mul * S_j, or softcapped) + the row's bias (bias_row), -inf where a
 // mask, the band (when `cut`: the tile is cut by an edge, Shape::cut) or the end of the keys
@@ -588,12 +601,7 @@ inline A score_row(const AttnArgs& a, const Shape<A>& sh, A* s, A mul, int64_t b
       x.store(s + j);
       row_max = max_nan_from_first(row_max, x);
     };
-    int64_t j = 0;
-    for (; j + kV <= lo; j += kV) outside(j);
-    for (; j < hi && (j < lo || j + kV > hi); j += kV) inside(j, std::true_type{});
-    for (; j + kV <= hi; j += kV) inside(j, std::false_type{});
-    for (; j < hi; j += kV) inside(j, std::true_type{});
-    for (; j < cols; j += kV) outside(j);
+    for_row_vectors<kV>(lo, hi, cols, outside, inside);
     return reduce_max_no_nan(row_max);
   }
   // The band's tile GEMMs (Band::kColsUpTo) may have left entries outside [lo, hi) unwritten.
@@ -661,12 +669,7 @@ inline void p_ds_row(const AttnArgs& a, const Shape<A>& sh, A* p, A* ds, A mul, 
     zero.store(p + j);
     zero.store(ds + j);
   };
-  int64_t j = 0;
-  for (; j + kV <= lo; j += kV) outside(j);
-  for (; j < hi && (j < lo || j + kV > hi); j += kV) one(j, std::true_type{});
-  for (; j + kV <= hi; j += kV) one(j, std::false_type{});
-  for (; j < hi; j += kV) one(j, std::true_type{});
-  for (; j < cols; j += kV) outside(j);
+  for_row_vectors<kV>(lo, hi, cols, outside, one);
 }
 
 // p_j = 2^(mul * s_j - shift) in place over [0, n_pad), with one rounding (an FMA); returns the
