@@ -261,7 +261,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("ffn_fwd", &cb::ffn_fwd);
   m.def("ffn_bwd", &cb::ffn_bwd);
   m.def("linear_rows", &cb::linear_rows, py::arg("x"), py::arg("weight"), py::arg("bias"));
-  m.def("ffn_act_fwd", &cb::ffn_act_fwd, py::arg("gate"), py::arg("up"), py::arg("activation"));
+  m.def("ffn_act_fwd", &cb::ffn_act_fwd, py::arg("gate"), py::arg("up"), py::arg("activation"),
+        py::arg("over_gate") = false);
   m.def("ffn_act_bwd", &cb::ffn_act_bwd, py::arg("dh"), py::arg("gate"), py::arg("up"),
         py::arg("activation"), py::arg("need_h"));
   m.def("lce_rows", &cb::lce_rows, "linear_cross_entropy: the row pass over a chunk of logits");

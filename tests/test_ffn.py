@@ -141,6 +141,9 @@ def _vendor_route_matches_reference(impl, gated, bias, device="cpu"):
         y, s = impl.fwd(x, w1, b1, w2, b2, wu, bu, o)
         yr, sr = ref.ffn_fwd(x, w1, b1, w2, b2, wu, bu, o)
         assert torch.allclose(y, yr) and torch.allclose(s, sr), (act, "forward")
+        # no backward to come: h is written over the pre-activation buffer
+        y_inference, _ = impl.fwd(x, w1, b1, w2, b2, wu, bu, ops.FfnOptions(activation=act))
+        assert torch.allclose(y_inference, yr), (act, "forward without a saved pre-activation")
         dy = torch.randn(37, 24, dtype=torch.float64, device=device)
         g = impl.bwd((dy,), (x, w1, w2, wu, s), o, (True,) * 7)
         gr = ref.ffn_bwd(dy, x, w1, w2, wu, sr, o, (True,) * 7)

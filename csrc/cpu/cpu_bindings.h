@@ -618,7 +618,8 @@ inline std::vector<Tensor> ffn_bwd(const Tensor& dy, const Tensor& x, const Tens
 }
 
 // ---- the FFN's activation / gate, one elementwise pass (the cpu.onednn route) ---------------
-// ffn_act_fwd(gate, up, activation) -> h = act(gate) [* up]
+// ffn_act_fwd(gate, up, activation, over_gate) -> h = act(gate) [* up] (over_gate: written over
+//   gate, which the caller must own: each element of gate is read before h's is written)
 // ffn_act_bwd(dh, gate, up, activation, need_h) -> {d_gate, d_up (gated), h (need_h; written
 //   over dh, which the caller must own)}
 // gate / up / dh: (rows, F) with contiguous rows (gate and up may be the halves of one buffer).
@@ -654,9 +655,10 @@ inline void run_ffn_act(const cpu::FfnActArgs& a) {
   cpu::kernels().ffn_act(a);
 }
 
-inline Tensor ffn_act_fwd(const Tensor& gate, const optional<Tensor>& up, int64_t activation) {
+inline Tensor ffn_act_fwd(const Tensor& gate, const optional<Tensor>& up, int64_t activation,
+                          bool over_gate) {
   cpu::FfnActArgs a = ffn_act_args(gate, up, activation);
-  Tensor h = at::empty(gate.sizes(), gate.options());
+  Tensor h = over_gate ? gate : at::empty(gate.sizes(), gate.options());
   a.h = h.data_ptr();
   a.ld_h = h.stride(0);
   run_ffn_act(a);
