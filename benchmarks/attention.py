@@ -5,7 +5,8 @@ softmax(q k^T / sqrt(d)) v with the score matrix materialized.
 
 Variant cases (the attention options, against the same call without them or the baseline
 that stands for them): a sliding window (left 512, causal) at (1, 8, 8192, 64) against our
-full causal call ("ours_full") and SDPA given the equivalent boolean band mask ("sdpa");
+full causal call ("ours_full"), SDPA given the equivalent boolean band mask ("sdpa") and our
+call given that mask instead of the window ("ours_mask": the kernel reads it as the window);
 softcap, ALiBi and sinks at (1, 8, 2048, 64) against the same call without the option
 ("ours_plain"); the T5 relative-position bias at (8, 8, 512, 64) against Hugging Face's eager
 T5 attention math with its materialized (1, H, L, L) bias ("eager"). FLOPs of a window case:
@@ -184,6 +185,7 @@ def _variant_candidates(c: dict, q, k, v):
         work = 4 * B * H * pairs * D * (3.5 if c["mode"] == "fwd+bwd" else 1.0)
         return {"ours": lambda q, k, v, causal: ff.attention(q, k, v, causal=True, window=WINDOW),
                 "ours_full": lambda q, k, v, causal: ff.attention(q, k, v, causal=True),
+                "ours_mask": lambda q, k, v, causal: ff.attention(q, k, v, attn_mask=band),
                 "sdpa": lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, attn_mask=band)}, work
     work = flops(c["shape"], False, c["mode"])
     if variant == "t5":

@@ -143,6 +143,68 @@ def test_fully_masked_rows_give_zeros_and_zero_grads(backend):
     assert torch.equal(dq[:, :, :7], torch.zeros_like(dq[:, :, :7]))
 
 
+# Masks with structure at the cpu kernel's tile scale (144 queries x 192 keys,
+# csrc/cpu/attention_mask_structure.h). An exact band ("band", "band_two_sided") is run as the
+# equivalent window; else tiles the mask excludes wholly are skipped, tiles it attends wholly
+# take the unmasked path, the rest the masked one: every kind is in each of those cases, and
+# (FULLY_MASKED) rows whose every tile is skipped (fully masked: zeros).
+def _band(Lq, Lk, left, right):
+    i, j = torch.arange(Lq)[:, None], torch.arange(Lk)[None]
+    return (j >= i - left) & (j <= i + right)
+
+
+def _structured_mask(kind, B, H, Lq, Lk):
+    if kind == "band":            # a sliding window materialized, as a traced HF model passes it
+        return _band(Lq, Lk, 250, 0).expand(B, 1, Lq, Lk)
+    if kind == "band_two_sided":
+        return _band(Lq, Lk, 100, 333)
+    if kind == "band_one_off":    # a band but for one pair: not a window
+        mask = _band(Lq, Lk, 250, 0).expand(B, 1, Lq, Lk).clone()
+        mask[1, 0, 590, 3] = True
+        return mask
+    if kind == "band_per_head":  # a different window per head
+        mask = torch.stack([_band(Lq, Lk, 100 + 150 * h, 40 * h) for h in range(H)])[None].expand(B, H, Lq, Lk)
+    elif kind == "documents":     # block-diagonal: packed documents of 300 / 210 / rest
+        doc_q = torch.bucketize(torch.arange(Lq), torch.tensor([300, 510]), right=True)
+        doc_k = torch.bucketize(torch.arange(Lk), torch.tensor([300, 510]), right=True)
+        mask = (doc_q[:, None] == doc_k[None])[None, None].expand(B, 1, Lq, Lk).clone()
+    else:                         # "keys": (B, 1, 1, Lk), a key-padding mask in bool-mask form
+        mask = torch.ones(B, 1, 1, Lk, dtype=torch.bool)
+        mask[0, ..., 200:] = False
+        mask[-1, ..., :400] = False
+        return mask
+    mask = mask.clone()
+    mask[-1, :, 320:480] = False  # fully masked query rows across every key block
+    return mask
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["band", "band_two_sided", "band_one_off", "band_per_head", "documents", "keys"])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+def test_bool_masks_with_whole_tiles_masked_or_attended(backend, dtype, kind, causal):
+    B, H, Hkv, Lq, Lk, D = 2, 4, 2, 600, 700, 40
+    q, k, v, go = _inputs(B, H, Hkv, Lq, Lk, D, dtype)
+    ours = _compare(backend, q, k, v, go, causal=causal, attn_mask=_structured_mask(kind, B, H, Lq, Lk))
+    if kind in ("band_per_head", "documents"):  # their rows 320 .. 479 of the last batch row
+        assert torch.equal(ours[0][-1, :, 320:480], torch.zeros_like(ours[0][-1, :, 320:480]))
+        assert torch.equal(ours[1][-1, :, 320:480], torch.zeros_like(ours[1][-1, :, 320:480]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_key_padding_with_whole_key_blocks_padded(backend):
+    """Key blocks all padding (skipped), none padding (the unmasked path) and mixed, alone and
+    with a bool band mask on top."""
+    B, H, Lq, Lk, D = 3, 2, 300, 800, 24
+    q, k, v, go = _inputs(B, H, H, Lq, Lk, D, torch.float32)
+    pad = torch.zeros(B, Lk, dtype=torch.bool)
+    pad[0, 190:] = True
+    pad[1, :390] = True
+    pad[2, 500:505] = True
+    _compare(backend, q, k, v, go, key_padding_mask=pad)
+    _compare(backend, q, k, v, go, key_padding_mask=pad, attn_mask=_band(Lq, Lk, 300, 200), causal="bottom_right")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("jump", [2.0, 14.0, 100.0])
 def test_large_scores_rising_between_key_blocks(backend, jump):

@@ -10,6 +10,8 @@
 // Five micro-kernel GEMMs per tile (2.5x the forward's flops), P^T and dS^T read as transposed
 // views (no transposition copies). Causal: tiles above the diagonal are never visited, and in
 // tiles the diagonal cuts every GEMM skips the micro-tiles / inner ranges wholly above it.
+// Tiles a bool mask or the key padding excludes wholly are not visited either (their P and dS
+// are 0; attention_mask_structure.h).
 //
 // Parallelism: tasks are (batch, kv head, key chunk). A task owns dK and dV of its keys for all
 // the query heads of its kv head (GQA sums need no atomics) and walks every query block that
@@ -34,6 +36,7 @@
 #include <vector>
 
 #include "cpu/attention_common.h"
+#include "cpu/attention_mask_structure.h"
 
 namespace fastformer::cpu::CPU_CAPABILITY {
 namespace {
@@ -67,6 +70,7 @@ struct BwdCall {
   // (n_tasks, H, Lq + Lk - 1 + kRelSlack): each task's part of d rel_bias.
   A* drel_parts = nullptr;
   const int64_t drel_size;
+  const DeadTiles dead;       // tiles a bool mask / the key padding excludes wholly
 
   static int64_t chunks_for(const AttnArgs& args, const Shape<A>& sh) {
     if (args.dmask && args.dmask_s[3] == 0) return 1;
@@ -81,7 +85,7 @@ struct BwdCall {
         lse(static_cast<const A*>(args.lse)), score_mul(static_cast<A>(args.scale * kLog2e)),
         fold_b(args.dmask && args.dmask_s[0] == 0), fold_h(args.dmask && args.dmask_s[1] == 0),
         n_tasks((fold_b ? 1 : sh.B) * (fold_h ? 1 : sh.Hkv) * n_chunks),
-        drel_size(sh.H * (sh.Lq + sh.Lk - 1 + kRelSlack)) {
+        drel_size(sh.H * (sh.Lq + sh.Lk - 1 + kRelSlack)), dead(args, kBlockQ, kBlockK) {
     if (args.drel) {
       drel_parts = thread_scratch<A, Scratch::kBwdRelParts>(n_tasks * drel_size);
       std::fill(drel_parts, drel_parts + n_tasks * drel_size, A(0));
@@ -373,6 +377,8 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t, Bf16Gemm kind) {
       // Query blocks that can see key block kb (the band: causality, the window).
       const int64_t q_end = sh.q_end(kb);
       for (int64_t q0 = sh.q_begin(kb) / kBlockQ * kBlockQ; q0 < q_end; q0 += kBlockQ) {
+        const DeadTiles::State mask_state = c.dead.at(b, h, q0, kb);
+        if (mask_state == DeadTiles::kDead) continue;
         const int64_t n_q = std::min(kBlockQ, sh.Lq - q0);
         const bool diagonal = sh.diagonal(q0, kb), cut = sh.cut(q0, q0 + n_q, kb);
         // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in all five GEMMs.
@@ -380,7 +386,7 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t, Bf16Gemm kind) {
         // P exactly as the forward computed it (Shape::unmasked): straight from S with one FMA
         // (exp2_row's mul), or after score_row's transform and bias. Unmasked tiles without
         // dropout (most of them): P and dS in one pass over the row.
-        const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul);
+        const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul, mask_state == DeadTiles::kFull);
         const bool plain_tile = unmasked && !c.threshold;
         const bool shared_bias = sh.shared_bias(a, q0, q0 + n_q, kb);
         for (int64_t i = 0; i < n_q; ++i) {
@@ -474,6 +480,7 @@ void attention_bwd_typed(const AttnArgs& a) {
     }
     return;
   }
+  if (AttnArgs band = a; fold_band_mask(band)) return attention_bwd_typed<T>(band);
   const BwdCall<T> c(a);
   const Shape<A>& sh = c.sh;
   // bf16 on AMX-BF16 or AVX512-BF16: all five GEMMs on them (Bf16Grads); else the fp32

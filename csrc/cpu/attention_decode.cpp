@@ -99,7 +99,7 @@ void attention_decode_typed(const AttnArgs& a) {
       // As the backward will decide for this tile (its queries 0 .. Lq are one query block there),
       // so that it recomputes P by the same formula.
       const bool cut = sh.cut(0, Lq, kb);
-      const bool unmasked = sh.unmasked(0, Lq, kb, score_mul);
+      const bool unmasked = sh.unmasked(0, Lq, kb, score_mul, false);
       for (int64_t r = 0; r < R; ++r) {
         const int64_t h = hkv * G + r / Lq, qi = r % Lq;
         A* s = s_tile + r * kScoreLd;

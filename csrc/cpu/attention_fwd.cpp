@@ -11,7 +11,8 @@
 // Per query block: Q -> fp32 MR-row panels (the S GEMM streams them sequentially);
 // row_max = -inf, row_sum = 0; for each key block the queries can see (blocks above the causal
 // diagonal are skipped, not masked; inside a tile the diagonal cuts, the GEMMs skip the
-// micro-tiles wholly above it, see Band in gemm.h):
+// micro-tiles wholly above it, see Band in gemm.h; tiles a bool mask or the key padding
+// excludes wholly are skipped too, attention_mask_structure.h):
 //   S = Q_tile K^T_block                       micro-kernel GEMM, 2*144*192*D flops
 //   s = scale * log2(e) * S (+ log2(e) * float mask, -inf where masked): log2 units; online
 //   softmax update (common/online_softmax.h, its log2-unit helpers)
@@ -31,6 +32,7 @@
 #include <vector>
 
 #include "cpu/attention_common.h"
+#include "cpu/attention_mask_structure.h"
 
 namespace fastformer::cpu::CPU_CAPABILITY {
 namespace {
@@ -124,11 +126,13 @@ struct FwdCall {
   const A out_scale;          // 1 / (1 - p)
   const A score_mul;          // S = Q K^T to log2 units, see exp2_row
   A* const lse;
+  const DeadTiles dead;       // tiles a bool mask / the key padding excludes wholly
 
   explicit FwdCall(const AttnArgs& args)
       : a(args), sh(args), threshold(args.dropout_p > 0 ? dropout_threshold(args.dropout_p) : 0),
         out_scale(args.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - args.dropout_p) : A(1)),
-        score_mul(static_cast<A>(args.scale * kLog2e)), lse(static_cast<A*>(args.lse)) {}
+        score_mul(static_cast<A>(args.scale * kLog2e)), lse(static_cast<A*>(args.lse)),
+        dead(args, kBlockQ, kBlockK) {}
 };
 
 // Query block qb of head (b, h), K/V from packed head bh_kv of pk (read-only): the online
@@ -153,9 +157,11 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
 
   // The key blocks the block's queries can see (the band's edges: causality, the window).
   const int64_t kb_begin = sh.kb_begin(q0), kb_end = sh.kb_end(q0 + n_q);
-  // acc: written by the first key block's P V (accumulate = false), zero if there is none.
-  if (kb_begin >= kb_end) std::fill(acc, acc + kBlockQ * sh.Dv_pad, A(0));
+  // acc: written by the first visited key block's P V (accumulate = false), zero if none is.
+  bool acc_written = false;
   for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
+    const DeadTiles::State mask_state = c.dead.at(b, h, q0, kb);
+    if (mask_state == DeadTiles::kDead) continue;
     const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
     // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in both GEMMs.
     gemms.scores(pk, bh_kv, kb, n_q, cols, s_tile, sh.band(q0, q0 + n_q, kb, Band::kColsUpTo));
@@ -163,7 +169,7 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
     // P as the backward computes it (Shape::unmasked): straight from S with one FMA per
     // score, or after score_row's transform and bias. (A scale <= 0, allowed, flips which
     // score is the max: score_row handles it.)
-    const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul);
+    const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul, mask_state == DeadTiles::kFull);
     const bool shared_bias = sh.shared_bias(a, q0, q0 + n_q, kb);
     for (int64_t i = 0; i < n_q; ++i) {
       A* s = s_tile + i * kScoreLd;
@@ -177,15 +183,17 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
       row_sum[i] = alpha * row_sum[i] + block_sum;
       row_max[i] = new_max;
       if (c.threshold) drop_row(a, s, b, h, q0 + i, k0, n_keys, c.threshold);
-      if (alpha != A(1) && kb > kb_begin) {  // (before the first block's P V, acc holds nothing)
+      if (alpha != A(1) && acc_written) {  // (before the first block's P V, acc holds nothing)
         A* acc_i = acc + i * sh.Dv_pad;
         const V alpha_v(alpha);
         for (int64_t d = 0; d < sh.Dv_pad; d += V::size()) (V::loadu(acc_i + d) * alpha_v).store(acc_i + d);
       }
       gemms.p_row(s, i, cols);
     }
-    gemms.pv(pk, bh_kv, kb, n_q, n_keys, cols, s_tile, acc, kb > kb_begin, sh.band(q0, q0 + n_q, kb, Band::kInnerUpTo));
+    gemms.pv(pk, bh_kv, kb, n_q, n_keys, cols, s_tile, acc, acc_written, sh.band(q0, q0 + n_q, kb, Band::kInnerUpTo));
+    acc_written = true;
   }
+  if (!acc_written) std::fill(acc, acc + kBlockQ * sh.Dv_pad, A(0));
 
   // A sink joins the denominator (adding no value): the row's max and sum take it, and the
   // accumulator is rescaled when it moves the max.
@@ -257,6 +265,7 @@ void attention_fwd_typed(const AttnArgs& a) {
     }
     return;
   }
+  if (AttnArgs band = a; fold_band_mask(band)) return attention_fwd_typed<T>(band);
   const FwdCall<T> c(a);
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     const Bf16Gemm kind = bf16_gemm();
