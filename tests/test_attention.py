@@ -13,6 +13,7 @@ from attention_oracle import BF16_GEMMS, bf16_attention_gemm, ff_attention, orac
 from oracle import check
 
 import fastformer as ff
+from fastformer.reference.attention import band_mask
 from fastformer.reference.rng import draw_rng_state, keep_mask
 
 BACKENDS = ["cpu", "reference"]
@@ -149,8 +150,7 @@ def test_fully_masked_rows_give_zeros_and_zero_grads(backend):
 # take the unmasked path, the rest the masked one: every kind is in each of those cases, and
 # (FULLY_MASKED) rows whose every tile is skipped (fully masked: zeros).
 def _band(Lq, Lk, left, right):
-    i, j = torch.arange(Lq)[:, None], torch.arange(Lk)[None]
-    return (j >= i - left) & (j <= i + right)
+    return band_mask(Lq, Lk, 0, left, right)
 
 
 def _structured_mask(kind, B, H, Lq, Lk):

@@ -70,7 +70,7 @@ struct BwdCall {
   // (n_tasks, H, Lq + Lk - 1 + kRelSlack): each task's part of d rel_bias.
   A* drel_parts = nullptr;
   const int64_t drel_size;
-  const DeadTiles dead;       // tiles a bool mask / the key padding excludes wholly
+  const MaskTiles mask_tiles;  // tiles a bool mask / the key padding masks or attends wholly
 
   static int64_t chunks_for(const AttnArgs& args, const Shape<A>& sh) {
     if (args.dmask && args.dmask_s[3] == 0) return 1;
@@ -85,7 +85,7 @@ struct BwdCall {
         lse(static_cast<const A*>(args.lse)), score_mul(static_cast<A>(args.scale * kLog2e)),
         fold_b(args.dmask && args.dmask_s[0] == 0), fold_h(args.dmask && args.dmask_s[1] == 0),
         n_tasks((fold_b ? 1 : sh.B) * (fold_h ? 1 : sh.Hkv) * n_chunks),
-        drel_size(sh.H * (sh.Lq + sh.Lk - 1 + kRelSlack)), dead(args, kBlockQ, kBlockK) {
+        drel_size(sh.H * (sh.Lq + sh.Lk - 1 + kRelSlack)), mask_tiles(args, kBlockQ, kBlockK) {
     if (args.drel) {
       drel_parts = thread_scratch<A, Scratch::kBwdRelParts>(n_tasks * drel_size);
       std::fill(drel_parts, drel_parts + n_tasks * drel_size, A(0));
@@ -377,8 +377,8 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t, Bf16Gemm kind) {
       // Query blocks that can see key block kb (the band: causality, the window).
       const int64_t q_end = sh.q_end(kb);
       for (int64_t q0 = sh.q_begin(kb) / kBlockQ * kBlockQ; q0 < q_end; q0 += kBlockQ) {
-        const DeadTiles::State mask_state = c.dead.at(b, h, q0, kb);
-        if (mask_state == DeadTiles::kDead) continue;
+        const MaskTiles::State mask_state = c.mask_tiles.at(b, h, q0, kb);
+        if (mask_state == MaskTiles::kDead) continue;
         const int64_t n_q = std::min(kBlockQ, sh.Lq - q0);
         const bool diagonal = sh.diagonal(q0, kb), cut = sh.cut(q0, q0 + n_q, kb);
         // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in all five GEMMs.
@@ -386,7 +386,7 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t, Bf16Gemm kind) {
         // P exactly as the forward computed it (Shape::unmasked): straight from S with one FMA
         // (exp2_row's mul), or after score_row's transform and bias. Unmasked tiles without
         // dropout (most of them): P and dS in one pass over the row.
-        const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul, mask_state == DeadTiles::kFull);
+        const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul, mask_state == MaskTiles::kFull);
         const bool plain_tile = unmasked && !c.threshold;
         const bool shared_bias = sh.shared_bias(a, q0, q0 + n_q, kb);
         for (int64_t i = 0; i < n_q; ++i) {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -50,6 +51,14 @@ constexpr int64_t kHeadTasksPerThread = 4;
 
 template <typename A>
 constexpr A kNegInf = -std::numeric_limits<A>::infinity();
+
+// Bool masks are bytes 0 or 1: 8 of them read as one word, all true iff it is kTrueBools8.
+constexpr uint64_t kTrueBools8 = 0x0101010101010101ull;
+inline uint64_t bools8(const bool* p) {
+  uint64_t word;
+  std::memcpy(&word, p, 8);
+  return word;
+}
 
 // Sizes derived once per call. Padded widths are multiples of the micro-tile's NR, padded
 // heights leave kRowSlack rows of zeros for the micro-kernel's full-tile reads.
@@ -142,7 +151,7 @@ struct Shape {
   // scale is positive: both passes then compute P straight from the GEMM's S with one FMA
   // (exp2_row's mul), the others through score_row. The forward and the backward must agree on
   // this for the backward's P to be the forward's. mask_free: the bool mask and the key padding
-  // attend every pair of this tile (DeadTiles::kFull), so the bias row would be all zeros.
+  // attend every pair of this tile (MaskTiles::kFull), so the bias row would be all zeros.
   bool unmasked(int64_t q0, int64_t q1, int64_t kb, A score_mul, bool mask_free) const {
     const int64_t n_keys = block_keys(kb);
     return !cut(q0, q1, kb) && n_keys == block_cols(n_keys) && (!bias_row || mask_free) && !alibi && !rel &&
@@ -518,9 +527,7 @@ inline void bias_row(const AttnArgs& a, const Shape<A>& sh, int64_t b, int64_t h
       // 8 bools (bytes, 0 or 1) at a time: a materialized band or causal mask is mostly runs of
       // one value (per element, this loop was ~60% of a (1, 8, 4096, 64) band-mask forward).
       for (; step == 1 && j + 8 <= hi; j += 8) {
-        uint64_t word;
-        std::memcpy(&word, m + j, 8);
-        if (word == 0x0101010101010101ull) continue;
+        if (bools8(m + j) == kTrueBools8) continue;
         for (int64_t e = j; e < j + 8; ++e)
           if (!m[e]) bias[e] = kNegInf<A>;
       }

@@ -126,13 +126,13 @@ struct FwdCall {
   const A out_scale;          // 1 / (1 - p)
   const A score_mul;          // S = Q K^T to log2 units, see exp2_row
   A* const lse;
-  const DeadTiles dead;       // tiles a bool mask / the key padding excludes wholly
+  const MaskTiles mask_tiles;  // tiles a bool mask / the key padding masks or attends wholly
 
   explicit FwdCall(const AttnArgs& args)
       : a(args), sh(args), threshold(args.dropout_p > 0 ? dropout_threshold(args.dropout_p) : 0),
         out_scale(args.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - args.dropout_p) : A(1)),
         score_mul(static_cast<A>(args.scale * kLog2e)), lse(static_cast<A*>(args.lse)),
-        dead(args, kBlockQ, kBlockK) {}
+        mask_tiles(args, kBlockQ, kBlockK) {}
 };
 
 // Query block qb of head (b, h), K/V from packed head bh_kv of pk (read-only): the online
@@ -160,8 +160,8 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
   // acc: written by the first visited key block's P V (accumulate = false), zero if none is.
   bool acc_written = false;
   for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
-    const DeadTiles::State mask_state = c.dead.at(b, h, q0, kb);
-    if (mask_state == DeadTiles::kDead) continue;
+    const MaskTiles::State mask_state = c.mask_tiles.at(b, h, q0, kb);
+    if (mask_state == MaskTiles::kDead) continue;
     const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
     // Diagonal tiles: micro-tiles wholly above the diagonal are skipped in both GEMMs.
     gemms.scores(pk, bh_kv, kb, n_q, cols, s_tile, sh.band(q0, q0 + n_q, kb, Band::kColsUpTo));
@@ -169,7 +169,7 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
     // P as the backward computes it (Shape::unmasked): straight from S with one FMA per
     // score, or after score_row's transform and bias. (A scale <= 0, allowed, flips which
     // score is the max: score_row handles it.)
-    const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul, mask_state == DeadTiles::kFull);
+    const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul, mask_state == MaskTiles::kFull);
     const bool shared_bias = sh.shared_bias(a, q0, q0 + n_q, kb);
     for (int64_t i = 0; i < n_q; ++i) {
       A* s = s_tile + i * kScoreLd;

@@ -10,14 +10,14 @@
 // 2-core Zen 5, one process: 69 ms folded, 105 ms through the tile map below alone, 63 ms as
 // window = (512, 0), torch SDPA given the same mask 1046 ms.
 //
-// DeadTiles: tiles that a bool mask or the key padding excludes wholly: every (query, key)
-// pair of the tile masked. Both passes skip
-// them as they skip the tiles outside the band: such a tile's P and dS are 0, so it adds
-// nothing to any sum, and a query row whose every tile is skipped is a fully masked row (zeros,
-// lse +inf), as it was when the tiles were visited. This is what lets a materialized band mask
-// cost what its visible tiles cost: a Hugging Face model compiled with torch.compile hands its
-// sliding window over as a (B, 1, L, L) bool mask (the traced mask function cannot be read
-// back as a window), and so do chunked and document masks.
+// MaskTiles: the state of every tile under a bool mask and the key padding. Tiles they exclude
+// wholly (every (query, key) pair masked) both passes skip as they skip the tiles outside the
+// band: such a tile's P and dS are 0, so it adds nothing to any sum, and a query row whose
+// every tile is skipped is a fully masked row (zeros, lse +inf), as it was when the tiles were
+// visited. Both matter for Hugging Face models under torch.compile: traced, they hand their
+// sliding window over as a (B, 1, L, L) bool mask (the mask function cannot be read back as a
+// window), an exact band without padding, a tile pattern with it; chunked and document masks
+// are tile patterns too.
 //
 // Float masks are not mapped: their -inf is added to the score, so NaN and +inf scores under
 // it stay NaN as in eager PyTorch, which a skipped tile would lose.
@@ -40,7 +40,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/cpu_kernels.h"
+#include "cpu/attention_common.h"
 
 namespace fastformer::cpu::CPU_CAPABILITY {
 namespace attn {
@@ -54,10 +54,7 @@ inline std::pair<int64_t, int64_t> single_run(const bool* row, int64_t n, int64_
     if (!hit) return {-1, -1};
     const int64_t first = static_cast<const bool*>(hit) - row;
     int64_t last = first;
-    for (uint64_t word; last + 9 <= n; last += 8) {
-      std::memcpy(&word, row + last + 1, 8);
-      if (word != 0x0101010101010101ull) break;
-    }
+    while (last + 9 <= n && bools8(row + last + 1) == kTrueBools8) last += 8;
     while (last + 1 < n && row[last + 1]) ++last;
     if (last + 1 < n && std::memchr(row + last + 1, 1, n - last - 1)) return {-1, -1};
     return {first, last};
@@ -93,14 +90,14 @@ inline bool fold_band_mask(AttnArgs& a) {
   });
   if (off_pattern) return false;
   // The window's sides from the rows the ends of the keys do not clip (-1: no row is bounded
-  // on that side, no limit); then every row must be the band's.
+  // on that side, no limit); then every row must be the band's (which also rejects a run
+  // starting past its query or ending before it: no window >= 0 gives those).
   int64_t left = -1, right = -1;
   for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r) {
     const int64_t i = r % a.Lq;
     if (runs[r].first > 0 && left < 0) left = i - runs[r].first;
     if (runs[r].second < a.Lk - 1 && right < 0) right = runs[r].second - i;
   }
-  if (left < -1 || right < -1) return false;  // a run starting past its query or ending before it
   for (int64_t r = 0; r < static_cast<int64_t>(runs.size()); ++r) {
     const int64_t i = r % a.Lq;
     const int64_t first = left < 0 ? 0 : std::max<int64_t>(0, i - left);
@@ -113,12 +110,12 @@ inline bool fold_band_mask(AttnArgs& a) {
   return true;
 }
 
-class DeadTiles {
+class MaskTiles {
  public:
   enum State : uint8_t { kPartial = 0, kDead = 1, kFull = 2 };
-  DeadTiles() = default;
+  MaskTiles() = default;
   // Tiles of kBlockQ queries x kBlockK keys (the passes' tile sizes) over an (Lq, Lk) call.
-  DeadTiles(const AttnArgs& a, int64_t block_q, int64_t block_k) {
+  MaskTiles(const AttnArgs& a, int64_t block_q, int64_t block_k) {
     const bool bool_mask = a.attn_mask.ptr && a.mask_is_bool;
     if ((!bool_mask && !a.key_padding_mask) || a.Lq == 0 || a.Lk == 0) return;
     const bool float_mask = a.attn_mask.ptr && !a.mask_is_bool;
@@ -170,7 +167,7 @@ class DeadTiles {
     const int64_t* s = a.attn_mask.s;
     const bool* base = static_cast<const bool*>(a.attn_mask.ptr) + b * s[0] + h * s[1];
     const int64_t rows_end = s[2] == 0 ? q0 + 1 : q1;  // a mask broadcast over queries: one row
-    const uint64_t word_of_value = value ? 0x0101010101010101ull : 0;
+    const uint64_t word_of_value = value ? kTrueBools8 : 0;
     for (int64_t i = q0; i < rows_end; ++i) {
       const bool* row = base + i * s[2];
       if (s[3] == 0) {
@@ -179,14 +176,12 @@ class DeadTiles {
       }
       int64_t j = k0;
       if (s[3] == 1) {
-        // 64 bools (bytes, 0 or 1) at a time: all equal `value` iff their AND and OR both are
-        // its word.
+        // 64 bools at a time: all equal `value` iff their words' AND and OR both are its word.
         for (; j + 64 <= k1; j += 64) {
-          uint64_t words[8], all = ~0ull, any = 0;
-          std::memcpy(words, row + j, 64);
-          for (uint64_t w : words) {
-            all &= w;
-            any |= w;
+          uint64_t all = ~0ull, any = 0;
+          for (int64_t w = 0; w < 64; w += 8) {
+            all &= bools8(row + j + w);
+            any |= bools8(row + j + w);
           }
           if (all != word_of_value || any != word_of_value) return false;
         }
