@@ -149,6 +149,16 @@ def _vendor_route_matches_reference(impl, gated, bias, device="cpu"):
         gr = ref.ffn_bwd(dy, x, w1, w2, wu, sr, o, (True,) * 7)
         for i, (a, b) in enumerate(zip(g, gr)):
             assert (a is None and b.numel() == 0) or torch.allclose(a, b), (act, i)
+        # the eager autograd route (separate nodes) on (tokens, ...) leading dims
+        leaves = [t.detach().requires_grad_(True) if t is not None else None
+                  for t in (x.reshape(1, 37, 24), w1, b1, w2, b2, wu, bu)]
+        y_a = impl.autograd(*leaves, o)[0]
+        assert y_a.shape == (1, 37, 24) and torch.allclose(y_a.reshape(37, 24), yr), act
+        wanted = [t for t in leaves if t is not None]
+        g_a = iter(torch.autograd.grad(y_a, wanted, dy.reshape(1, 37, 24)))
+        for i, (t, b) in enumerate(zip(leaves, gr)):
+            if t is not None:
+                assert torch.allclose(next(g_a).reshape(b.shape), b), (act, "autograd", i)
 
 
 # The cpu GEMM's blocking (csrc/cpu/gemm_packed.h) at a shape that crosses every level: K over
