@@ -123,6 +123,27 @@ def test_relative_position_bias_with_gradient(backend, bidirectional, lq, lk, ca
     _compare(backend, q, k, v, go, position_bias=(table, bidirectional, 64), causal=causal)
 
 
+# Key blocks that no edge, mask or padding column touches compute a softcap's and the inline
+# terms' scores on the fly in the forward (csrc/cpu/attention_fwd.cpp, OnTheFlyScores), every
+# combination its own code: Lk = 400 is two such 192-key blocks and a short one; batch 1's last
+# keys padded leave its first blocks wholly attended (the key padding's bias row all zeros).
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("opts", ["softcap", "alibi", "rel", "softcap+alibi", "softcap+rel"])
+def test_options_on_whole_unmasked_key_blocks(backend, dtype, opts):
+    q, k, v, go = _inputs(2, 4, 2, 113, 400, 64, dtype)
+    pad = torch.zeros(2, 400, dtype=torch.bool)
+    pad[1, 390:] = True
+    kw = {}
+    if "softcap" in opts:
+        kw["softcap"] = 5.0
+    if "alibi" in opts:
+        kw["alibi_slopes"] = 2.0 ** -torch.arange(1, 5, dtype=F32)
+    if "rel" in opts:
+        kw["position_bias"] = (torch.randn(32, 4, dtype=torch.float64).to(F32), True, 64)
+    _compare(backend, q * 2, k, v, go, key_padding_mask=pad, **kw)
+
+
 MASK_SHAPES = {"full": lambda B, H, Lq, Lk: (B, H, Lq, Lk), "batch": lambda B, H, Lq, Lk: (1, H, Lq, Lk),
                "heads": lambda B, H, Lq, Lk: (B, 1, Lq, Lk), "2d": lambda B, H, Lq, Lk: (Lq, Lk),
                "rows": lambda B, H, Lq, Lk: (B, H, Lq, 1), "keys": lambda B, H, Lq, Lk: (B, 1, 1, Lk)}

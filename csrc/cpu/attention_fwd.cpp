@@ -17,7 +17,9 @@
 //   s = scale * log2(e) * S (+ log2(e) * float mask, -inf where masked): log2 units; online
 //   softmax update (common/online_softmax.h, its log2-unit helpers)
 //   P = 2^(s - row_max'), one FMA from S where no mask touches the tile (exactly as the
-//   backward recomputes it, see exp2_row); dropped entries zeroed (Philox, common/philox.h)
+//   backward recomputes it, see exp2_row), the softcap / ALiBi / relative-bias scores
+//   computed in the max and exp passes where only those touch it (OnTheFlyScores), else
+//   from score_row's stored scores; dropped entries zeroed (Philox, common/philox.h)
 //   acc = alpha * acc + P V_block               micro-kernel GEMM, 2*144*192*Dv flops
 //                                               (the first block writes acc: acc = P V_block)
 // out = acc / (row_sum * (1 - p)), lse = row_max + log(row_sum) (+inf for fully masked rows).
@@ -135,6 +137,70 @@ struct FwdCall {
         mask_tiles(args, kBlockQ, kBlockK) {}
 };
 
+// Tiles no edge, mask or padding column touches, with a softcap or inline terms (ALiBi, the
+// relative bias): the scores are computed from S where they are used, in the max pass and in
+// the exp pass, and never stored, where score_row stores them and exp2_row reads them back.
+// x_j is score_row's (and the backward's p_ds_row's) to the bit, so P is too. A softcap alone
+// needs no max pass of its own: cap_out * tanh(cap_in * S) grows with S (cap_in > 0), so the row
+// max is the capped max of S. A softcapped bf16 (1, 8, 2048, 64) forward on a 2-core Zen 5 took
+// 1.30x the time of the call without softcap through score_row, 1.08-1.15x on the fly
+// (fastformer-bench --op attention --match softcap, each side by side with the plain call).
+template <typename A>
+bool scores_on_the_fly(const Shape<A>& sh, int64_t q0, int64_t q1, int64_t kb, bool mask_free) {
+  const int64_t n_keys = sh.block_keys(kb);
+  return !sh.cut(q0, q1, kb) && n_keys == sh.block_cols(n_keys) && (!sh.bias_row || mask_free) &&
+         (sh.alibi || sh.rel || sh.cap_out != A(0));
+}
+
+template <typename A, bool kCapped, bool kTerms>
+struct OnTheFlyScores {
+  using V = Vectorized<A>;
+  const Shape<A>& sh;
+  const InlineBias<A> terms;
+  const V mul;
+
+  OnTheFlyScores(const AttnArgs& a, const Shape<A>& shape, A score_mul, int64_t b, int64_t h, int64_t qi,
+                 int64_t k0)
+      : sh(shape), terms(a, shape, b, h, qi, k0), mul(score_mul) {}
+
+  V at(const A* s, int64_t j) const {  // transform_scores with the options known at compile time
+    const V S = V::loadu(s + j), extra = kTerms ? terms.at(sh, j) : V(A(0));
+    if constexpr (kCapped) return at::vec::fmadd(tanh_softcap(S * V(sh.cap_in)), V(sh.cap_out), extra);
+    return at::vec::fmadd(S, mul, extra);
+  }
+  A max(const A* s, int64_t cols) const {
+    if (kCapped && !kTerms && sh.cap_in > A(0)) {
+      alignas(64) A lanes[V::size()];
+      const V raw_max(row_max_of(s, cols));
+      at::vec::fmadd(tanh_softcap(raw_max * V(sh.cap_in)), V(sh.cap_out), V(A(0))).store(lanes);
+      return lanes[0];
+    }
+    V m(kNegInf<A>);
+    for (int64_t j = 0; j < cols; j += V::size()) m = max_nan_from_first(m, at(s, j));
+    return reduce_max_no_nan(m);
+  }
+  A exp2(A* s, int64_t cols, A shift) const {  // as exp2_row after score_row (mul = 1)
+    const V one(A(1)), neg_shift(-shift);
+    V sum(A(0));
+    for (int64_t j = 0; j < cols; j += V::size()) {
+      const V p = exp2_nonpositive(at::vec::fmadd(at(s, j), one, neg_shift));
+      p.store(s + j);
+      sum = sum + p;
+    }
+    return reduce_add(sum);
+  }
+};
+
+// f(OnTheFlyScores<A, capped, terms>) for the row's options.
+template <typename A, class F>
+auto with_scores_on_the_fly(const AttnArgs& a, const Shape<A>& sh, A mul, int64_t b, int64_t h, int64_t qi,
+                            int64_t k0, const F& f) {
+  const bool capped = sh.cap_out != A(0), terms = sh.alibi || sh.rel;
+  if (capped && terms) return f(OnTheFlyScores<A, true, true>(a, sh, mul, b, h, qi, k0));
+  if (capped) return f(OnTheFlyScores<A, true, false>(a, sh, mul, b, h, qi, k0));
+  return f(OnTheFlyScores<A, false, true>(a, sh, mul, b, h, qi, k0));
+}
+
 // Query block qb of head (b, h), K/V from packed head bh_kv of pk (read-only): the online
 // softmax over the key blocks the queries can see, shared by both GEMM paths.
 template <typename T, class Gemms>
@@ -170,16 +236,21 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
     // score, or after score_row's transform and bias. (A scale <= 0, allowed, flips which
     // score is the max: score_row handles it.)
     const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul, mask_state == MaskTiles::kFull);
+    const bool on_the_fly = !unmasked && scores_on_the_fly(sh, q0, q0 + n_q, kb, mask_state == MaskTiles::kFull);
     const bool shared_bias = sh.shared_bias(a, q0, q0 + n_q, kb);
     for (int64_t i = 0; i < n_q; ++i) {
       A* s = s_tile + i * kScoreLd;
-      const A block_max = unmasked ? row_max_of(s, cols) * c.score_mul  // log2 units
-                                   : score_row(a, sh, s, c.score_mul, b, h, q0 + i, k0, n_keys, cols, cut, bias,
-                                               static_cast<A*>(nullptr), shared_bias && i > 0);
+      const auto fly = [&](const auto& f) { return with_scores_on_the_fly(a, sh, c.score_mul, b, h, q0 + i, k0, f); };
+      const A block_max = unmasked     ? row_max_of(s, cols) * c.score_mul  // log2 units
+                          : on_the_fly ? fly([&](const auto& scores) { return scores.max(s, cols); })
+                                       : score_row(a, sh, s, c.score_mul, b, h, q0 + i, k0, n_keys, cols, cut, bias,
+                                                   static_cast<A*>(nullptr), shared_bias && i > 0);
       const A new_max = std::max(row_max[i], block_max);
       // alpha = 1 exactly when the max did not move (most key blocks): no exp call.
       const A alpha = new_max == row_max[i] ? A(1) : online_softmax_alpha_log2(row_max[i], new_max);
-      const A block_sum = exp2_row(s, cols, softmax_shift(new_max), unmasked ? c.score_mul : A(1));
+      const A shift = softmax_shift(new_max);
+      const A block_sum = on_the_fly ? fly([&](const auto& scores) { return scores.exp2(s, cols, shift); })
+                                     : exp2_row(s, cols, shift, unmasked ? c.score_mul : A(1));
       row_sum[i] = alpha * row_sum[i] + block_sum;
       row_max[i] = new_max;
       if (c.threshold) drop_row(a, s, b, h, q0 + i, k0, n_keys, c.threshold);
