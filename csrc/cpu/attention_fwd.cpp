@@ -145,6 +145,7 @@ struct FwdCall {
 // max is the capped max of S. A softcapped bf16 (1, 8, 2048, 64) forward on a 2-core Zen 5 took
 // 1.30x the time of the call without softcap through score_row, 1.08-1.15x on the fly
 // (fastformer-bench --op attention --match softcap, each side by side with the plain call).
+// A new option that changes the scores must be computed in at() or make this false.
 template <typename A>
 bool scores_on_the_fly(const Shape<A>& sh, int64_t q0, int64_t q1, int64_t kb, bool mask_free) {
   const int64_t n_keys = sh.block_keys(kb);
