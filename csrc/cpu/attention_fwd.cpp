@@ -170,12 +170,14 @@ struct OnTheFlyScores {
   // qi + d - (k0 + j + lane) of vector j, kept by the loops as a running vector (InlineBias::at
   // recomputes it from j; both are exact integers in A, so the terms are the same bits).
   V at(const A* s, int64_t j, const V& dist) const {
-    const V S = V::loadu(s + j);
     V extra(A(0));
     if constexpr (kTerms) {
       if (sh.alibi) extra = terms.neg_slope * dist.abs();
       if (sh.rel) extra = at::vec::fmadd(V::loadu(terms.rel + j), V(static_cast<A>(kLog2e)), extra);
     }
+    return transformed(V::loadu(s + j), extra);
+  }
+  V transformed(const V& S, const V& extra) const {
     if constexpr (kCapped) return at::vec::fmadd(tanh_softcap(S * V(sh.cap_in)), V(sh.cap_out), extra);
     return at::vec::fmadd(S, mul, extra);
   }
@@ -183,8 +185,7 @@ struct OnTheFlyScores {
   A max(const A* s, int64_t cols) const {
     if (kCapped && !kTerms && sh.cap_in > A(0)) {
       alignas(64) A lanes[V::size()];
-      const V raw_max(row_max_of(s, cols));
-      at::vec::fmadd(tanh_softcap(raw_max * V(sh.cap_in)), V(sh.cap_out), V(A(0))).store(lanes);
+      transformed(V(row_max_of(s, cols)), V(A(0))).store(lanes);
       return lanes[0];
     }
     V m(kNegInf<A>);

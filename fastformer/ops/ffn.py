@@ -136,16 +136,20 @@ class _VendorGemm(Impl):
         over = not o.store_preactivation
         if w_up is None:
             pre = lin(x2, w1, b1)
-            h = self.act_fwd(pre, o.activation, over)
+            h = self.hidden(pre, None, o.activation, over)
         else:
             F_ = w1.shape[0]
             pre = x2.new_empty((x2.shape[0], 2 * F_))  # [gate | up]
             gate, up = pre[:, :F_], pre[:, F_:]
             lin(x2, w1, b1, out=gate)  # strided outputs: the GEMM writes them with ldc = 2F
             lin(x2, w_up, b_up, out=up)
-            h = self.gated_fwd(gate, up, o.activation, over)  # over: a strided view of pre
+            h = self.hidden(gate, up, o.activation, over)  # over: a strided view of pre
         y = lin(h, w2, b2).reshape(x.shape)
         return y, (pre if o.store_preactivation else x.new_empty((0,)))
+
+    def hidden(self, pre, up, act, over):
+        """h = act(pre), gated (up given): act(pre) * up, through the backend's hooks."""
+        return self.act_fwd(pre, act, over) if up is None else self.gated_fwd(pre, up, act, over)
 
     def autograd(self, x, w1, b1, w2, b2, w_up, b_up, o):
         """The eager route with autograd, as separate nodes where the op's shared Function
@@ -203,10 +207,9 @@ class _ActDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, impl, o, pre, up, w2, b2):
-        act = o.activation
-        h = impl.act_fwd(pre, act, False) if up is None else impl.gated_fwd(pre, up, act, False)
+        h = impl.hidden(pre, up, o.activation, False)
         ctx.save_for_backward(pre, up, w2)
-        ctx.impl, ctx.act, ctx.dispatch = impl, act, backends.last_dispatch()
+        ctx.impl, ctx.act, ctx.dispatch = impl, o.activation, backends.last_dispatch()
         return impl._linear(h, w2, b2)
 
     @staticmethod
@@ -225,7 +228,7 @@ class _ActDown(torch.autograd.Function):
                 d_pre, d_up, h = impl.gated_bwd(dh, pre, up, act, need_w2)
             del dh
         elif need_w2:
-            h = impl.act_fwd(pre, act, False) if up is None else impl.gated_fwd(pre, up, act, False)
+            h = impl.hidden(pre, up, act, False)
         dw2 = dy.t() @ h if need_w2 else None
         return None, None, d_pre, d_up, dw2, dy.sum(0) if need_b2 else None
 
