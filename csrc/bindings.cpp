@@ -260,6 +260,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("rotary", &cb::rotary, py::arg("x"), py::arg("o"), py::arg("conj") = false);
   m.def("ffn_fwd", &cb::ffn_fwd);
   m.def("ffn_bwd", &cb::ffn_bwd);
+  m.def("ffn_linear_fwd", &cb::ffn_linear_fwd, "x w^T + b on the FFN's packed GEMM");
+  m.def("ffn_linear_bwd", &cb::ffn_linear_bwd, "{dx, dw, db} of ffn_linear_fwd");
+  m.def("ffn_down_fwd", &cb::ffn_down_fwd, "(act(gate) [* up]) w2^T + b2 on the packed GEMM");
+  m.def("ffn_down_bwd", &cb::ffn_down_bwd, "{d_gate, d_up, dw2, db2} of ffn_down_fwd");
   m.def("linear_rows", &cb::linear_rows, py::arg("x"), py::arg("weight"), py::arg("bias"));
   m.def("ffn_act_fwd", &cb::ffn_act_fwd, py::arg("gate"), py::arg("up"), py::arg("activation"),
         py::arg("over_gate") = false);

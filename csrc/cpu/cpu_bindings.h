@@ -554,6 +554,19 @@ inline cpu::FfnArgs ffn_args(const Tensor& x, const Tensor& w1, const Tensor& w2
   return a;
 }
 
+// The pre-activation's layout (FfnArgs::saved): the whole block's (tokens, F) or [gate | up].
+inline void set_saved(cpu::FfnArgs& a, const Tensor& pre) {
+  a.saved = pre.data_ptr();
+  a.saved_up = a.gated ? pre.narrow(1, a.hidden, a.hidden).data_ptr() : nullptr;
+  a.saved_ld = pre.size(1);
+}
+
+inline void set_d_hidden(cpu::FfnArgs& a, const Tensor& d_pre) {
+  a.d_hidden = d_pre.data_ptr();
+  a.d_up = a.gated ? d_pre.narrow(1, a.hidden, a.hidden).data_ptr() : nullptr;
+  a.d_ld = d_pre.size(1);
+}
+
 // Returns {y, saved}: saved is the pre-activation (tokens, hidden) (gated: (tokens, 2 * hidden)
 // as [gate | up]) when o.store_preactivation, else empty.
 inline std::vector<Tensor> ffn_fwd(const Tensor& x, const Tensor& w1, const optional<Tensor>& b1,
@@ -571,6 +584,7 @@ inline std::vector<Tensor> ffn_fwd(const Tensor& x, const Tensor& w1, const opti
   a.y = y.data_ptr();
   a.hidden_buf = hidden.data_ptr();
   a.store_preactivation = save;
+  if (save) set_saved(a, hidden);
   if (a.tokens > 0) {
     py::gil_scoped_release no_gil;
     cpu::kernels().ffn_fwd(a);
@@ -600,8 +614,8 @@ inline std::vector<Tensor> ffn_bwd(const Tensor& dy, const Tensor& x, const Tens
   const bool need_hidden = need_dx || need_dw1 || need_db1 || (a.gated && (need_dw_up || need_db_up));
   Tensor d_hidden = maybe(need_hidden, {a.tokens, a.gated ? 2 * F : F});
   a.dy = matrix_view(dy);
-  a.saved = saved.data_ptr();
-  a.d_hidden = need_hidden ? d_hidden.data_ptr() : nullptr;
+  set_saved(a, saved.view({a.tokens, -1}));
+  if (need_hidden) set_d_hidden(a, d_hidden);
   auto ptr = [](bool need, Tensor& t) { return need ? t.data_ptr() : nullptr; };
   a.dx = ptr(need_dx, dx);
   a.dw1 = ptr(need_dw1, dw1);
@@ -615,6 +629,124 @@ inline std::vector<Tensor> ffn_bwd(const Tensor& dy, const Tensor& x, const Tens
     cpu::kernels().ffn_bwd(a);
   }
   return {dx, dw1, db1, dw2, db2, dw_up, db_up};
+}
+
+// ---- the FFN's two layers as separate calls (FfnLayers; ops/ffn.py's gated eager route) ------
+// ffn_linear_fwd(x, w, b) -> pre = x w^T + b, (tokens, F) contiguous: GEMM1 without activation.
+// ffn_linear_bwd(d_pre, x, w, need_dx, need_dw, need_db) -> {dx, dw, db} (empty if not asked).
+// ffn_down_fwd(gate, up, w2, b2, o) -> y = (act(gate) [* up]) w2^T + b2, (tokens, D).
+// ffn_down_bwd(dy, gate, up, w2, o, need_pre, need_dw2, need_db2) -> {d_gate, d_up, dw2, db2}.
+// gate / up / d_pre: (tokens, F) contiguous; x, dy: (..., D) with any strides. No dropout.
+inline cpu::FfnArgs ffn_layer_args(const Tensor& like, int64_t tokens, int64_t d_model,
+                                   int64_t hidden, int32_t layers, const FfnOptions& o) {
+  check_cpu(like, "ffn");
+  TORCH_CHECK(o.activation >= 0 && o.activation <= 3, "fastformer._C ffn: activation code must be 0..3");
+  TORCH_CHECK(o.dropout_p == 0.0, "fastformer._C ffn layers: no dropout");
+  cpu::FfnArgs a;
+  a.dtype = to_dtype(like);
+  a.activation = static_cast<int32_t>(o.activation);
+  a.layers = layers;
+  a.tokens = tokens;
+  a.d_model = d_model;
+  a.hidden = hidden;
+  return a;
+}
+
+inline void check_hidden_rows(const Tensor& t, const cpu::FfnArgs& a, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == a.tokens && t.size(1) == a.hidden && t.is_contiguous()
+              && t.scalar_type() == to_scalar_type(a.dtype),
+              "fastformer._C ffn layers: ", name, " must be (tokens, F) contiguous in the dtype");
+}
+
+inline void run_ffn(cpu::FfnArgs& a, bool backward) {
+  if (a.tokens == 0) return;
+  py::gil_scoped_release no_gil;
+  if (backward) cpu::kernels().ffn_bwd(a);
+  else cpu::kernels().ffn_fwd(a);
+}
+
+inline Tensor ffn_linear_fwd(const Tensor& x, const Tensor& w, const optional<Tensor>& b) {
+  const int64_t D = x.size(-1), tokens = D == 0 ? 0 : x.numel() / D;
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == D, "fastformer._C.ffn_linear_fwd: w must be (F, D)");
+  cpu::FfnArgs a = ffn_layer_args(x, tokens, D, w.size(0), cpu::kFfnFirst, FfnOptions{});
+  a.x = matrix_view(x);
+  a.w1 = matrix_view(w);
+  a.b1 = ptr_or_null(b);
+  Tensor pre = at::empty({tokens, a.hidden}, x.options());
+  a.hidden_buf = pre.data_ptr();
+  a.store_preactivation = true;
+  run_ffn(a, false);
+  return pre;
+}
+
+inline std::vector<Tensor> ffn_linear_bwd(const Tensor& d_pre, const Tensor& x, const Tensor& w,
+                                          bool need_dx, bool need_dw, bool need_db) {
+  const int64_t D = x.size(-1), tokens = D == 0 ? 0 : x.numel() / D;
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == D, "fastformer._C.ffn_linear_bwd: w must be (F, D)");
+  cpu::FfnArgs a = ffn_layer_args(x, tokens, D, w.size(0), cpu::kFfnFirst, FfnOptions{});
+  check_hidden_rows(d_pre, a, "d_pre");
+  a.x = matrix_view(x);
+  a.w1 = matrix_view(w);
+  a.d_hidden = d_pre.data_ptr();
+  const auto opts = x.options();
+  Tensor dx = need_dx ? empty_rows(x.sizes(), x) : at::empty({0}, opts);
+  Tensor dw = need_dw ? at::empty({a.hidden, D}, opts) : at::empty({0}, opts);
+  Tensor db = need_db ? at::empty({a.hidden}, opts) : at::empty({0}, opts);
+  a.dx = need_dx ? dx.data_ptr() : nullptr;
+  a.dw1 = need_dw ? dw.data_ptr() : nullptr;
+  a.db1 = need_db ? db.data_ptr() : nullptr;
+  run_ffn(a, true);
+  return {dx, dw, db};
+}
+
+inline cpu::FfnArgs ffn_down_args(const Tensor& gate, const optional<Tensor>& up, const Tensor& w2,
+                                  const FfnOptions& o) {
+  TORCH_CHECK(w2.dim() == 2 && gate.dim() == 2 && w2.size(1) == gate.size(1),
+              "fastformer._C ffn_down: w2 must be (D, F) for gate (tokens, F)");
+  cpu::FfnArgs a = ffn_layer_args(gate, gate.size(0), w2.size(0), w2.size(1), cpu::kFfnSecond, o);
+  a.gated = present(up) != nullptr;
+  check_hidden_rows(gate, a, "gate");
+  if (a.gated) check_hidden_rows(*up, a, "up");
+  a.w2 = matrix_view(w2);
+  a.saved = gate.data_ptr();
+  a.saved_up = a.gated ? up->data_ptr() : nullptr;
+  a.saved_ld = a.hidden;
+  return a;
+}
+
+inline Tensor ffn_down_fwd(const Tensor& gate, const optional<Tensor>& up, const Tensor& w2,
+                           const optional<Tensor>& b2, const FfnOptions& o) {
+  cpu::FfnArgs a = ffn_down_args(gate, up, w2, o);
+  a.b2 = ptr_or_null(b2);
+  a.store_preactivation = true;
+  Tensor y = at::empty({a.tokens, a.d_model}, gate.options());
+  a.y = y.data_ptr();
+  run_ffn(a, false);
+  return y;
+}
+
+inline std::vector<Tensor> ffn_down_bwd(const Tensor& dy, const Tensor& gate,
+                                        const optional<Tensor>& up, const Tensor& w2,
+                                        const FfnOptions& o, bool need_pre, bool need_dw2,
+                                        bool need_db2) {
+  cpu::FfnArgs a = ffn_down_args(gate, up, w2, o);
+  TORCH_CHECK(dy.dim() == 2 && dy.size(0) == a.tokens && dy.size(1) == a.d_model,
+              "fastformer._C.ffn_down_bwd: dy must be (tokens, D)");
+  a.dy = matrix_view(dy);
+  const auto opts = gate.options();
+  auto maybe = [&](bool need, at::IntArrayRef shape) {
+    return need ? at::empty(shape, opts) : at::empty({0}, opts);
+  };
+  Tensor d_gate = maybe(need_pre, {a.tokens, a.hidden});
+  Tensor d_up = maybe(need_pre && a.gated, {a.tokens, a.hidden});
+  Tensor dw2 = maybe(need_dw2, {a.d_model, a.hidden}), db2 = maybe(need_db2, {a.d_model});
+  a.d_hidden = need_pre ? d_gate.data_ptr() : nullptr;
+  a.d_up = need_pre && a.gated ? d_up.data_ptr() : nullptr;
+  a.d_ld = a.hidden;
+  a.dw2 = need_dw2 ? dw2.data_ptr() : nullptr;
+  a.db2 = need_db2 ? db2.data_ptr() : nullptr;
+  run_ffn(a, true);
+  return {d_gate, d_up, dw2, db2};
 }
 
 // ---- the FFN's activation / gate, one elementwise pass (the cpu.onednn route) ---------------

@@ -154,6 +154,14 @@ struct MatView {
   int64_t col_stride = 1;
 };
 
+// The layers one FfnArgs call runs: the whole block, or one half of it as its own autograd
+// node (fastformer/ops/ffn.py, the gated eager route):
+//   kFfnFirst, not gated: a linear layer pre = x W1^T + b1 (no activation, no dropout); the
+//     forward stores pre in hidden_buf, the backward reads pre's gradient from d_hidden.
+//   kFfnSecond: y = h W2^T + b2 with h recomputed from the saved pre-activation; the backward
+//     writes dw2, db2 and (d_hidden given) the pre-activation's gradient.
+enum FfnLayers : int32_t { kFfnFirst = 1, kFfnSecond = 2, kFfnBoth = 3 };
+
 // y = act(x W1^T + b1) W2^T + b2 (dropout on the hidden activation), or gated:
 // y = (act(x Wg^T + bg) * (x Wu^T + bu)) Wd^T + bd, with w1/b1 = gate, w_up/b_up = up,
 // w2/b2 = down. Semantics: fastformer/reference/ffn.py; algorithm: csrc/cpu/ffn.cpp.
@@ -161,6 +169,7 @@ struct FfnArgs {
   DType dtype;                       // every tensor (x, weights, biases, outputs, gradients)
   int32_t activation = 0;            // fastformer::Activation (common/activations.h)
   bool gated = false;
+  int32_t layers = kFfnBoth;
   int64_t tokens = 0, d_model = 0, hidden = 0;
   double dropout_p = 0.0;            // ffn only: dropout on act(pre), Philox (common/philox.h)
   uint64_t seed = 0, offset = 0;     //   element index token * hidden + unit
@@ -176,11 +185,19 @@ struct FfnArgs {
   void* y = nullptr;                 // (tokens, d_model) contiguous
   void* hidden_buf = nullptr;
   bool store_preactivation = false;
-  // Backward. saved: hidden_buf of a store_preactivation forward. d_hidden: scratch of the
-  // saved tensor's shape (d pre-activation, gated [d gate | d up]). Null outputs are skipped.
+  // saved: the pre-activation GEMM2 and the backward read (hidden_buf of a store_preactivation
+  // forward of the whole block). Not gated: (tokens, hidden) contiguous. Gated: gate rows at
+  // saved, up rows at saved_up, both with row stride saved_ld (the whole block's [gate | up]:
+  // saved_up = saved + hidden, saved_ld = 2 * hidden). d_hidden (/ d_up, row stride d_ld):
+  // the pre-activation's gradient, laid out alike; the whole block's is [d gate | d up]
+  // contiguous. Null outputs are skipped.
   MatView dy;                        // (tokens, d_model)
   const void* saved = nullptr;
+  const void* saved_up = nullptr;
+  int64_t saved_ld = 0;
   void* d_hidden = nullptr;
+  void* d_up = nullptr;
+  int64_t d_ld = 0;
   void* dx = nullptr;                // (tokens, d_model) contiguous
   void* dw1 = nullptr;               // (hidden, d_model) contiguous, as w1 (gated: d w_gate)
   void* db1 = nullptr;

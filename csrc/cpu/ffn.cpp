@@ -21,6 +21,10 @@
 //       gated: dg = dh * u * act'(g), du = dh * act(g)   -> d_hidden = [dg | du]
 //     dx = dpre W1                        gated: [dg | du] [Wg ; Wu], one GEMM with K = 2F
 //     dW1 | db1 = dpre^T [x | 1]          gated: [dg | du]^T [x | 1] -> dWg, dWu, dbg, dbu
+// The layers also run alone (FfnArgs::layers): the first as a linear layer x W1^T + b1 with its
+// dx / dW1 / db1, the second (act, gate, GEMM2) with its dW2 / db2 / d pre-activation; the gated
+// eager autograd route (ops/ffn.py) makes the gate and up projections and the rest three nodes,
+// so that autograd frees each saved tensor and gradient when its node returns.
 // Memory traffic of the (N, F) tensors: forward writes pre once (gated: g, u) and GEMM2 reads
 // it once (per 2048 output columns); backward reads it twice (dW2 packing, dpre epilogue),
 // writes dpre once and reads it twice (dx, dW1 packing). Saved for the backward: x, the
@@ -158,18 +162,18 @@ struct ActSource {
   }
 };
 
-// h = act(g) * u, from the saved [g | u] (N, 2F) contiguous.
+// h = act(g) * u, from the saved gate and up rows (row stride ld: 2F for [g | u]).
 template <typename T>
 struct GatedSource {
   using A = acc_t<T>;
-  const T* gate_up;
-  int64_t hidden;
+  const T *gate, *up;
+  int64_t ld;
   Activation act;
   void load(int64_t r, int64_t c0, int64_t n, A* dst) const {
     using V = Vectorized<A>;
     constexpr int64_t kV = V::size();
-    const T* g = gate_up + r * 2 * hidden + c0;
-    const T* u = g + hidden;
+    const T* g = gate + r * ld + c0;
+    const T* u = up + r * ld + c0;
     dispatch_activation(act, [&](auto tag) {
       for (int64_t c = 0; c < n; c += kV) {
         const int64_t k = std::min(kV, n - c);
@@ -410,14 +414,16 @@ struct DpreEpilogue {
   }
 };
 
-// dg = dh * u * act'(g), du = dh * act(g) into [dg | du], g and u read from the saved [g | u].
+// dg = dh * u * act'(g), du = dh * act(g), g and u read from the saved rows (row stride ld),
+// dg and du written with row stride d_ld ([dg | du]: d_up = d_gate + F, d_ld = 2F).
 template <typename T>
 struct DgatedEpilogue {
   using A = acc_t<T>;
   using V = Vectorized<A>;
-  const T* gate_up;
-  T* d_gate_up;
-  int64_t hidden;
+  const T *gate, *up;
+  int64_t ld;
+  T *d_gate, *d_up;
+  int64_t d_ld;
   Activation act;
   void operator()(int64_t i0, int64_t j0, int64_t m, int64_t n, const A* tile) const {
     dispatch_activation(act, [&](auto tag) { rows<decltype(tag)::value>(i0, j0, m, n, tile); });
@@ -426,16 +432,18 @@ struct DgatedEpilogue {
   void rows(int64_t i0, int64_t j0, int64_t m, int64_t n, const A* tile) const {
     constexpr int64_t NR = Blk<A>::kNR, kV = V::size();
     for (int64_t r = 0; r < m; ++r) {
-      const T* g_row = gate_up + (i0 + r) * 2 * hidden + j0;
-      T* dst = d_gate_up + (i0 + r) * 2 * hidden + j0;
+      const T* g_row = gate + (i0 + r) * ld + j0;
+      const T* u_row = up + (i0 + r) * ld + j0;
+      T* dg_row = d_gate + (i0 + r) * d_ld + j0;
+      T* du_row = d_up + (i0 + r) * d_ld + j0;
       for (int64_t c = 0; c < n; c += kV) {
         const int64_t k = std::min(kV, n - c);
         const V g = k == kV ? load_acc(g_row + c) : load_acc(g_row + c, k);
-        const V u = k == kV ? load_acc(g_row + hidden + c) : load_acc(g_row + hidden + c, k);
+        const V u = k == kV ? load_acc(u_row + c) : load_acc(u_row + c, k);
         const V dh = V::loadu(tile + r * NR + c);
         const ValueGrad<V> a = activation_value_grad<Act>(g);
-        store_lanes(dst + c, dh * u * a.grad, k);
-        store_lanes(dst + hidden + c, dh * a.value, k);
+        store_lanes(dg_row + c, dh * u * a.grad, k);
+        store_lanes(du_row + c, dh * a.value, k);
       }
     }
   }
@@ -505,7 +513,8 @@ void ffn_fwd_typed(const FfnArgs& a) {
   };
 
   // GEMM1: pre (or h) = x W1^T + b1
-  if (a.gated) {
+  if (!(a.layers & kFfnFirst)) {
+  } else if (a.gated) {
     const PlainSource<T> w_src{a.w1, a.w_up, F};
     const A* b_up = padded_param<T, Scratch::kFfnBiasUp>(a.b_up, F);
     const A* b_gate = b1 ? b1 : padded_param<T, Scratch::kFfnBias1>(nullptr, F);
@@ -529,8 +538,10 @@ void ffn_fwd_typed(const FfnArgs& a) {
     }
   }
 
-  // GEMM2: y = h W2^T + b2, h packed from what GEMM1 stored
+  // GEMM2: y = h W2^T + b2, h packed from what GEMM1 stored (or the given pre-activation)
+  if (!(a.layers & kFfnSecond)) return;
   const PlainSource<T> w2_src{a.w2, {}};
+  const T* saved = static_cast<const T*>(a.saved);
   auto pack_w2t = [&](A* dst, int64_t k0, int64_t kc, int64_t j0, int64_t n) {
     pack_b_cols(w2_src, Identity{}, dst, k0, kc, j0, n);
   };
@@ -542,8 +553,9 @@ void ffn_fwd_typed(const FfnArgs& a) {
                    }, pack_w2t, out_epi);
   };
   if (!a.store_preactivation) run(PlainSource<T>{contiguous_view<T>(hidden, F), {}}, kPlainCost);
-  else if (a.gated) run(GatedSource<T>{hidden, F, act}, kActCost);
-  else run(ActSource<T>{hidden, F, act, Dropout(a)}, kActCost);
+  else if (a.gated) run(GatedSource<T>{saved, static_cast<const T*>(a.saved_up), a.saved_ld, act},
+                        kActCost);
+  else run(ActSource<T>{saved, F, act, Dropout(a)}, kActCost);
 }
 
 // ---- backward --------------------------------------------------------------------------------
@@ -571,8 +583,11 @@ void ffn_bwd_typed(const FfnArgs& a) {
                    ParamGradEpilogue<T>{static_cast<T*>(a.dw2), static_cast<T*>(a.db2), nullptr,
                                         nullptr, D, F});
   };
-  if (a.dw2 != nullptr) {
-    if (a.gated) dw2(GatedSource<T>{saved, F, act});
+  const T* saved_up = static_cast<const T*>(a.saved_up);
+  const bool second = a.layers & kFfnSecond, first = a.layers & kFfnFirst;
+  if (!second) {
+  } else if (a.dw2 != nullptr) {
+    if (a.gated) dw2(GatedSource<T>{saved, saved_up, a.saved_ld, act});
     else dw2(ActSource<T>{saved, F, act, Dropout(a)});
   } else if (a.db2 != nullptr) {
     column_sums(dy_src, N, D, static_cast<T*>(a.db2));
@@ -580,7 +595,8 @@ void ffn_bwd_typed(const FfnArgs& a) {
 
   const bool need_dw1 = a.dw1 != nullptr || a.dw_up != nullptr;
   const bool need_db1 = a.db1 != nullptr || a.db_up != nullptr;
-  if (a.dx == nullptr && !need_dw1 && !need_db1) return;
+  const bool need_first = first && (a.dx != nullptr || need_dw1 || need_db1);
+  if (!need_first && (first || a.d_hidden == nullptr)) return;
 
   // d_hidden = (dy W2) with act' (and the gate product) fused into the epilogue
   const PlainSource<T> w2_src{a.w2, {}};
@@ -590,13 +606,17 @@ void ffn_bwd_typed(const FfnArgs& a) {
   auto pack_w2 = [&](A* dst, int64_t k0, int64_t kc, int64_t j0, int64_t n) {
     pack_b_rows(w2_src, F, dst, k0, kc, j0, n);
   };
-  if (a.gated) {
+  if (!second) {
+  } else if (a.gated) {
     gemm_packed<A>(N, F, D, kPlainCost, kPlainCost, pack_dy, pack_w2,
-                   DgatedEpilogue<T>{saved, d_hidden, F, act});
+                   DgatedEpilogue<T>{saved, saved_up, a.saved_ld, d_hidden,
+                                     static_cast<T*>(a.d_up), a.d_ld, act});
   } else {
     gemm_packed<A>(N, F, D, kPlainCost, kPlainCost, pack_dy, pack_w2,
                    DpreEpilogue<T>{saved, d_hidden, F, Dropout(a), act});
   }
+  if (!need_first) return;
+  // d_hidden: contiguous here ([d gate | d up] gated, the given gradient of a kFfnFirst call)
   const PlainSource<T> dh_src{contiguous_view<T>(d_hidden, H), {}};
 
   // dx = d_hidden [W1 ; W_up]
@@ -626,7 +646,7 @@ void ffn_bwd_typed(const FfnArgs& a) {
   } else if (need_db1) {
     if (a.db1 != nullptr) column_sums(dh_src, N, F, static_cast<T*>(a.db1));
     if (a.db_up != nullptr) {
-      const PlainSource<T> up_src{contiguous_view<T>(d_hidden + F, H), {}};
+      const PlainSource<T> up_src{contiguous_view<T>(a.d_up, H), {}};
       column_sums(up_src, N, F, static_cast<T*>(a.db_up));
     }
   }

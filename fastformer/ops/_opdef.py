@@ -261,8 +261,9 @@ class OpDef:
         if o.differentiable:
             diff = tuple(getattr(o, n) for n in o.differentiable)
         if needs_grad(inputs) or (diff and needs_grad(diff)):
-            if impl.autograd is not None:
-                return impl.autograd(*inputs, o)
+            out = impl.autograd(*inputs, o) if impl.autograd is not None else None
+            if out is not None:  # None: this call takes the shared Function
+                return out
             out = _EagerFunction.apply(self, impl, o, *inputs, *diff)
             return out if isinstance(out, tuple) else (out,)
         return impl.fwd(*inputs, o)[:self.visible]
