@@ -390,6 +390,39 @@ def test_cpu_capability_levels_agree(capability_levels):
             check(f"grad[{level}]", a, b, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("act", list(ACTS))
+def test_cpu_activation_math_over_the_whole_range(capability_levels, act):
+    """The cpu kernels' vector activations (csrc/cpu/vec_math.h: inline e^x, erf, tanh at the
+    AVX2 / AVX-512 levels) on pre-activations from -120 to 120, where e^x over- and underflows,
+    and on +-inf and NaN, at every CPU level: act(g) and act'(g) through the elementwise pass of
+    the vendor-GEMM route, against fp64, with fp32's output tolerance; non-finite results where
+    the fp64 ones are, with the same values."""
+    from fastformer import _ext
+    from fastformer.reference.ffn import ACTIVATIONS
+    code = ACTIVATIONS.index(act)
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 88.72, 88.73,
+                            -87.33, -87.34, -103.9, -104.1, 1e-30, -1e-30])
+    g = torch.cat([torch.linspace(-120, 120, 48001), special]).reshape(1, -1)
+    fn = ACTS[act]
+    g64 = g.double().requires_grad_(True)
+    fn(g64).sum().backward()
+    want, want_grad = fn(g.double()), g64.grad
+    try:
+        for level in capability_levels:
+            _ext.set_cpu_capability(level)
+            h = _ext.C.ffn_act_fwd(g, None, code, False)
+            dg, _, h2 = _ext.C.ffn_act_bwd(torch.ones_like(g), g, None, code, True)
+            for name, ours, ref in (("h", h, want), ("dg", dg, want_grad), ("h (bwd)", h2, want)):
+                if act == "relu" and name == "dg":  # relu'(NaN): 0 (reference/ffn.py), torch 1
+                    ours, ref = ours[~g.isnan()], ref[~g.isnan()]
+                fin = torch.isfinite(ref)
+                assert torch.equal(ours[~fin].double().nan_to_num(7.0), ref[~fin].nan_to_num(7.0)), \
+                    (level, name, ours[~fin], ref[~fin])
+                check(f"{name}[{level}]", ours[fin], ref[fin], atol=1e-5, rtol=1e-5)
+    finally:
+        _ext.set_cpu_capability(capability_levels[-1])
+
+
 def test_eager_via_ops_route_and_compile(monkeypatch):
     *tensors, dy = _params(9, 24, 40, torch.float32, False, True)
     base = _run(_ours, tensors, dy, "gelu_tanh", 0.0)

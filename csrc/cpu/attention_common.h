@@ -460,7 +460,7 @@ void pack_kv(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk) {
 
 // Scores are kept in log2 units (exp2 is cheaper): fastformer::kLog2e, common/online_softmax.h.
 
-// max_nan_from_first, exp2_nonpositive, tanh_softcap: cpu/vec_math.h.
+// max_nan_from_first, exp2_nonpositive, fast_tanh: cpu/vec_math.h.
 
 // S = Q K^T (one vector of a row) to log2-unit scores plus `bias`: mul * S + bias, or with
 // softcap cap_out * tanh(cap_in * S) + bias (Shape::cap_*), one rounding of the sum (an
@@ -471,7 +471,7 @@ inline Vectorized<A> transform_scores(const Shape<A>& sh, const Vectorized<A>& S
                                       const Vectorized<A>& bias, A* d_cap) {
   using V = Vectorized<A>;
   if (sh.cap_out == A(0)) return at::vec::fmadd(S, mul, bias);
-  const V t = tanh_softcap(S * V(sh.cap_in));
+  const V t = fast_tanh(S * V(sh.cap_in));
   if (d_cap) (V(A(1)) - t * t).store(d_cap);
   return at::vec::fmadd(t, V(sh.cap_out), bias);
 }

@@ -178,7 +178,7 @@ struct OnTheFlyScores {
     return transformed(V::loadu(s + j), extra);
   }
   V transformed(const V& S, const V& extra) const {
-    if constexpr (kCapped) return at::vec::fmadd(tanh_softcap(S * V(sh.cap_in)), V(sh.cap_out), extra);
+    if constexpr (kCapped) return at::vec::fmadd(fast_tanh(S * V(sh.cap_in)), V(sh.cap_out), extra);
     return at::vec::fmadd(S, mul, extra);
   }
   V first_dist() const { return terms.origin - terms.iota; }

@@ -68,7 +68,7 @@ void lce_rows_typed(const LceRowsArgs& a) {
   const A nan = std::numeric_limits<A>::quiet_NaN();
   const A neg_inf = -std::numeric_limits<A>::infinity();
 
-  auto capv = [&](const Vec& z) { return capped ? Vec(cap) * tanh_softcap(z * Vec(inv_cap)) : z; };
+  auto capv = [&](const Vec& z) { return capped ? Vec(cap) * fast_tanh(z * Vec(inv_cap)) : z; };
   auto caps = [&](A z) { return capped ? cap * std::tanh(z * inv_cap) : z; };
   // d s / d z = 1 - tanh^2 = 1 - (s / cap)^2
   auto dcapv = [&](const Vec& s) {
