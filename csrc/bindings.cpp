@@ -198,8 +198,22 @@ void set_cpu_avx512_bf16(bool enable) { avx512_bf16_state().set(enable, "set_cpu
 // AMX usable and on.
 bool amx_in_use() { return cpu_state().level == kAvx512 && amx_state().enabled; }
 
+// CPUID's vendor string ("GenuineIntel", "AuthenticAMD", ...); empty off x86-64. The FFN's fp32
+// route depends on it (fastformer/ops/ffn.py: torch's MKL GEMMs run at the FMA peak on Intel
+// CPUs only).
+std::string cpu_vendor() {
+#if defined(__x86_64__)
+  unsigned eax, regs[3];
+  if (!__get_cpuid(0, &eax, &regs[0], &regs[2], &regs[1])) return "";  // EBX, EDX, ECX
+  return std::string(reinterpret_cast<const char*>(regs), sizeof(regs));
+#else
+  return "";
+#endif
+}
+
 py::dict cpu_info() {
   py::dict d;
+  d["vendor"] = cpu_vendor();
   d["capability"] = kLevelNames[cpu_state().level];
   d["max_capability"] = kLevelNames[max_supported_level()];
   d["note"] = cpu_state().note;

@@ -105,6 +105,25 @@ def test_cpu_matches_eager(tokens, d, hidden, dtype, act, gated, bias):
     _backend_matches_eager("cpu", tokens, d, hidden, dtype, act, gated, bias)
 
 
+# fp32 takes the packed kernel or torch's GEMMs by the CPU's vendor (ops/ffn.py,
+# _torch_fp32_gemm_wins): both, on every machine.
+@pytest.mark.parametrize("route", ["packed", "torch"])
+@pytest.mark.parametrize(CASE_ARGS, _cases(SHAPES[:4], [torch.float32], per_shape=2))
+def test_cpu_fp32_routes_match_eager(monkeypatch, route, tokens, d, hidden, dtype, act, gated, bias):
+    from fastformer import backends
+    from fastformer.ops import ffn as ops
+    monkeypatch.setenv(ops.FP32_GEMM_ENV, route)
+    backends.clear_cache()
+    try:
+        _backend_matches_eager("cpu", tokens, d, hidden, dtype, act, gated, bias)
+        if tokens >= ops.FEW_ROWS:
+            assert ff.last_dispatch().impl == ("cpu.onednn" if route == "torch" else "cpu"), \
+                ff.last_dispatch()
+    finally:
+        monkeypatch.undo()
+        backends.clear_cache()
+
+
 # bf16 on a CPU with AMX (avx512 kernels, AMX on) takes torch's AMX GEMMs (ops/ffn.py,
 # cpu.onednn) unless there is dropout; with AMX off, csrc/cpu/ffn.cpp. Both, on every machine
 # that has AMX (the cases above take whichever is on).

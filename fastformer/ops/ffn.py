@@ -17,6 +17,7 @@ regenerates its mask (reference/rng.py, element index n * F + f).
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -302,9 +303,10 @@ class _CpuOnednn(_VendorGemm):
     """cpu, without dropout: torch's GEMMs (oneDNN / MKL) with the activation / gate as one
     elementwise pass of ours (csrc/cpu/ffn_elementwise.cpp; the backward's recomputes h), for
       * bf16 where torch's bf16 GEMMs have hardware dot products (AVX512-BF16 or AMX-BF16):
-        ~1-1.5 TFLOP/s on AMX (2-core Xeon, 4-7x the fp32 FMAs of csrc/cpu/ffn.cpp's packed
+        1.6-2.6 TFLOP/s on AMX (2-core Xeon, 5-7x the fp32 FMAs of csrc/cpu/ffn.cpp's packed
         GEMM); on a 2-core Zen 5 with AVX512-BF16, SwiGLU (2048, 1024, 2816) forward 53 ms vs
         the packed kernel's 104, forward+backward 140 vs 281;
+      * fp32 where torch's fp32 GEMM is faster than the packed one (_torch_fp32_gemm_wins);
       * fp32 calls with fewer than FEW_ROWS token rows (above).
     Saves what the fused kernel saves (the pre-activation, never act(pre)); h is rounded to bf16
     before the second GEMM, as eager PyTorch's is."""
@@ -337,10 +339,37 @@ class _CpuOnednn(_VendorGemm):
         if why:
             return why
         if call.dtype == torch.float32 and "few_rows" not in call.features:
-            return [f"fp32 with {FEW_ROWS} or more token rows: the packed kernel is faster"]
+            wins, why = _torch_fp32_gemm_wins()
+            if not wins:
+                return [f"fp32 with {FEW_ROWS} or more token rows: {why}"]
         if call.dtype == torch.bfloat16 and not _fast_bf16_gemm():
             return ["torch's bf16 GEMMs have no AVX512-BF16 / AMX-BF16 dot products on this CPU"]
         return []
+
+
+FP32_GEMM_ENV = "FASTFORMER_CPU_FFN_FP32_GEMM"
+
+
+def _torch_fp32_gemm_wins():
+    """(whether fp32 FFN calls take torch's GEMMs, why), by the rule measured on three CPUs:
+    torch's fp32 GEMM is MKL's, which runs its AVX-512 code at the FMA peak on Intel CPUs and
+    generic code elsewhere. FFN suite, fp32, ours against eager in one run each (2 cores):
+      * Xeon (AVX-512, AMX): torch.mm 440 GFLOP/s, the packed GEMM 320-360 (73-82%); the packed
+        kernel 0.87-0.98x eager, torch's GEMMs with our activation pass 0.98-1.06x (GELU
+        (4096, 768, 3072), GeGLU (2048, 2048, 5632), SwiGLU (1024, 1024, 2816), forward and
+        forward+backward);
+      * Zen 5 (AVX-512): the packed kernel 1.71-2.09x eager; Zen 3 (AVX2): 1.14-1.51x.
+    FASTFORMER_CPU_FFN_FP32_GEMM=torch / packed forces either (decisions are cached per call
+    signature: backends.clear_cache() after changing it)."""
+    forced = os.environ.get(FP32_GEMM_ENV, "auto").strip().lower()
+    if forced in ("torch", "packed"):
+        return forced == "torch", f"{FP32_GEMM_ENV}={forced}"
+    if forced != "auto":
+        raise ValueError(f"{FP32_GEMM_ENV} must be 'torch', 'packed' or 'auto', got {forced!r}")
+    vendor = _ext.cpu_info().get("vendor", "")
+    if vendor == "GenuineIntel" and torch.backends.mkl.is_available():
+        return True, "torch's fp32 GEMM is MKL on an Intel CPU"
+    return False, f"the packed kernel is faster than torch's fp32 GEMM on this CPU ({vendor or 'unknown vendor'})"
 
 
 def _fast_bf16_gemm() -> bool:
