@@ -15,6 +15,7 @@ struct ActMath<at::vec::Vectorized<A>> {
   using V = at::vec::Vectorized<A>;
   static V exp(const V& x) { return cpu::CPU_CAPABILITY::fast_exp(x); }
   static V erf(const V& x) { return cpu::CPU_CAPABILITY::fast_erf(x); }
+  static V erf_gauss(const V& z, V& gauss) { return cpu::CPU_CAPABILITY::fast_erf(z, &gauss); }
   static V tanh(const V& x) { return cpu::CPU_CAPABILITY::fast_tanh(x); }
   static V relu(const V& x) { return V::blendv(x, V(A(0)), x < V(A(0))); }  // NaN stays NaN
   static V step(const V& x) { return (x > V(A(0))) & V(A(1)); }
