@@ -284,7 +284,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("ffn_act_bwd", &cb::ffn_act_bwd, py::arg("dh"), py::arg("gate"), py::arg("up"),
         py::arg("activation"), py::arg("need_h"));
   m.def("lce_rows", &cb::lce_rows, "linear_cross_entropy: the row pass over a chunk of logits");
-  m.def("lce_pair_add", &cb::lce_pair_add, "hi + lo += p (compensated bf16/fp16 accumulation)");
+  m.def("lce_pair_add", &cb::lce_pair_add, "hi + lo += p (compensated bf16/fp16 accumulation)",
+        py::arg("hi"), py::arg("lo"), py::arg("p"), py::arg("read_lo") = true, py::arg("write_lo") = true);
 #ifdef FASTFORMER_WITH_CUDA
   namespace gb = fastformer::cuda_bindings;
   m.def("cuda_add_norm_fwd", &gb::add_norm_fwd);

@@ -908,10 +908,15 @@ inline void lce_rows(const Tensor& logits, const Tensor& target, const Tensor& l
   }
 }
 
-// hi + lo += p in place (compensated accumulation in a pair of buffers of p's dtype).
-inline void lce_pair_add(const Tensor& hi, const Tensor& lo, const Tensor& p) {
+// hi + lo += p in place (compensated accumulation in a pair of buffers of p's dtype); lo is
+// not read when read_lo is false (taken as 0) and not written when write_lo is false, and may
+// then be None.
+inline void lce_pair_add(const Tensor& hi, const optional<Tensor>& lo, const Tensor& p, bool read_lo,
+                         bool write_lo) {
   check_cpu(hi, "lce_pair_add");
-  for (const Tensor* t : {&hi, &lo, &p})
+  const bool uses_lo = read_lo || write_lo;
+  TORCH_CHECK(!uses_lo || present(lo), "fastformer._C.lce_pair_add: lo is read or written, but None");
+  for (const Tensor* t : {&hi, uses_lo ? &*lo : &hi, &p})
     TORCH_CHECK(t->is_contiguous() && t->scalar_type() == p.scalar_type() &&
                     t->numel() == p.numel(),
                 "fastformer._C.lce_pair_add: hi, lo and p must be contiguous, of one dtype and size");
@@ -919,8 +924,10 @@ inline void lce_pair_add(const Tensor& hi, const Tensor& lo, const Tensor& p) {
   a.dtype = to_dtype(p);
   a.n = p.numel();
   a.hi = hi.data_ptr();
-  a.lo = lo.data_ptr();
+  a.lo = uses_lo ? lo->data_ptr() : nullptr;
   a.p = p.data_ptr();
+  a.read_lo = read_lo;
+  a.write_lo = write_lo;
   if (a.n > 0) {
     KernelGilRelease no_gil;
     cpu::kernels().lce_pair_add(a);

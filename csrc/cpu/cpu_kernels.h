@@ -266,8 +266,10 @@ struct PairAddArgs {
   DType dtype;
   int64_t n = 0;
   void* hi = nullptr;                // n contiguous elements each
-  void* lo = nullptr;
+  void* lo = nullptr;                // null when neither read nor written
   const void* p = nullptr;
+  bool read_lo = true;               // false: lo holds nothing yet (taken as 0, not read)
+  bool write_lo = true;              // false: the last addition (hi = round(hi + lo + p))
 };
 
 // X-macro list of kernels: X(name, ArgsType). Add a kernel here and in one .cpp file.

@@ -24,7 +24,9 @@
 // lce_pair_add: hi + lo += p elementwise for bf16 / fp16 (t = hi + lo + p in fp32; hi = t
 // rounded; lo = (t - hi) rounded): the (hi, lo) pair carries ~16 significant bits, so d weight
 // accumulates the chunks' bf16 partial products without a rounding to bf16 per chunk, in the
-// memory of one fp32 buffer and with no separate output copy at the end.
+// memory of one fp32 buffer and with no separate output copy at the end. The first addition
+// into the pair does not read lo (read_lo = false: nothing there yet, no zero fill) and the
+// last does not write it (write_lo = false: hi = round(t), the result).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -179,19 +181,22 @@ void pair_add_typed(const PairAddArgs& a) {
   T* hi = static_cast<T*>(a.hi);
   T* lo = static_cast<T*>(a.lo);
   const T* p = static_cast<const T*>(a.p);
+  const bool read_lo = a.read_lo, write_lo = a.write_lo;
   at::parallel_for(0, a.n, kElementsPerTask, [&](int64_t begin, int64_t end) {
     int64_t i = begin;
     for (; i + kV <= end; i += kV) {
-      const Vec t = load_acc(hi + i) + load_acc(lo + i) + load_acc(p + i);
+      Vec t = load_acc(hi + i) + load_acc(p + i);
+      if (read_lo) t = t + load_acc(lo + i);
       const Vec h = round_to<T>(t);
       store_acc(hi + i, h);
-      store_acc(lo + i, t - h);
+      if (write_lo) store_acc(lo + i, t - h);
     }
     for (; i < end; ++i) {
-      const A t = to_acc(hi[i]) + to_acc(lo[i]) + to_acc(p[i]);
+      A t = to_acc(hi[i]) + to_acc(p[i]);
+      if (read_lo) t += to_acc(lo[i]);
       const T h = static_cast<T>(t);
       hi[i] = h;
-      lo[i] = static_cast<T>(t - to_acc(h));
+      if (write_lo) lo[i] = static_cast<T>(t - to_acc(h));
     }
   });
 }

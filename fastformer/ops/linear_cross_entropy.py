@@ -94,8 +94,8 @@ class _Chunked(Impl):
     def rows(self, *args):
         raise NotImplementedError
 
-    def pair_add(self, hi, lo, p):
-        ref.pair_add(hi, lo, p)
+    def pair_add(self, hi, lo, p, read_lo=True, write_lo=True):
+        ref.pair_add(hi, lo, p, read_lo, write_lo)
 
     def fwd(self, x, weight, bias, o):
         return ref.forward(x, weight, bias, o, self.rows, self.pair_add)
@@ -159,8 +159,8 @@ class _Cpu(_Chunked):
                         write_grad)
 
     @staticmethod
-    def pair_add(hi, lo, p):
-        _ext.C.lce_pair_add(hi, lo, p)
+    def pair_add(hi, lo, p, read_lo=True, write_lo=True):
+        _ext.C.lce_pair_add(hi, lo, p, read_lo, write_lo)
 
     def unavailable(self):
         if _ext.C is not None and not hasattr(_ext.C, "lce_rows"):
