@@ -58,29 +58,37 @@ inline Vectorized<float> exp2_unit_poly(const Vectorized<float>& f) {
   return at::vec::fmadd(p, f, V(1.0f));
 }
 
+// Below 2^kExp2Flush, exp2_nonpositive returns 0. A softmax weight that small is 2^-40 below
+// fp32's resolution of its row's sum (>= 1, the max element's P is 1), so the result does not
+// change; kept, it makes subnormal products in the P V and backward GEMMs (P times values
+// below 2^-62 in magnitude), each a microcode assist on Intel cores: ALiBi's far keys have
+// P ~ 2^-1000, and an fp32 ALiBi forward at (1, 8, 2048, 64) on one Xeon core took 73.6 ms,
+// against 52.3 with subnormals flushed (MXCSR) and 55.0 for the call without ALiBi.
+constexpr float kExp2Flush = -64.0f;
+
 // 2^x for x <= 0 (scores minus the row max, log2 units). AVX2/AVX-512 fp32: 2^floor(x) times
 // exp2_unit_poly(x - floor(x)) (max relative error 1.9e-7 (AVX2) / 1.7e-7 (AVX-512) over 8.2e8
 // x in [-200, 0]; exact at 0 so that a row's max element has P = 1 and a single-key row has
-// dS = 0 exactly); x < -126 gives exactly 0 (masked scores are -inf), NaN stays NaN. Other
-// levels and fp64: Sleef's exp2. Forward and backward use the same one at a level, so the
-// backward's P is the forward's.
+// dS = 0 exactly); x < kExp2Flush gives exactly 0 (masked scores are -inf), NaN stays NaN.
+// Other levels and fp64: Sleef's exp2. Forward and backward use the same one at a level, so
+// the backward's P is the forward's.
 template <typename A>
 inline Vectorized<A> exp2_nonpositive(const Vectorized<A>& x) {
 #if defined(CPU_CAPABILITY_AVX512)
-  // vreduceps gives f = x - floor(x), vscalefps p * 2^floor(x) (exact), a mask zeroes x < -126
-  // and keeps NaN (unordered compare): 8 vector instructions (the AVX2 way below takes 12). For
-  // x in (-1, 0) vreduceps rounds x + 1 differently from the AVX2 subtraction, so 5.8% of such
-  // x differ from the AVX2 level in the last bit.
+  // vreduceps gives f = x - floor(x), vscalefps p * 2^floor(x) (exact), a mask zeroes
+  // x < kExp2Flush and keeps NaN (unordered compare): 8 vector instructions (the AVX2 way
+  // below takes 14). For x in (-1, 0) vreduceps rounds x + 1 differently from the AVX2
+  // subtraction, so 5.8% of such x differ from the AVX2 level in the last bit.
   if constexpr (std::is_same_v<A, float>) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(kExp2Flush), _CMP_NLT_UQ);
     const Vectorized<float> f(_mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
     return _mm512_maskz_scalef_ps(live, exp2_unit_poly(f), x);
   }
 #elif defined(CPU_CAPABILITY_AVX2)
-  // floor/fraction split, exponent bits from the integer part (n <= -127 gives bits 0: 0).
+  // floor/fraction split, exponent bits from the integer part (n = -127 gives bits 0: 0).
   if constexpr (std::is_same_v<A, float>) {
     using V = Vectorized<float>;
-    const V xc = max_nan_from_first(x, V(-127.0f));
+    const V xc = V::blendv(max_nan_from_first(x, V(-127.0f)), V(-127.0f), x < V(kExp2Flush));
     const V n = xc.floor();
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return exp2_unit_poly(xc - n) * V(_mm256_castsi256_ps(e));
