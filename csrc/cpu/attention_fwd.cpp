@@ -138,15 +138,17 @@ struct FwdCall {
 };
 
 // Tiles no edge, mask or padding column touches, with a softcap or inline terms (ALiBi, the
-// relative bias): the scores are computed from S where they are used, in the max pass and in
-// the exp pass, and never stored, where score_row stores them and exp2_row reads them back.
-// x_j is score_row's (and the backward's p_ds_row's) to the bit, so P is too. A softcap alone
-// needs no max pass of its own: cap_out * tanh(cap_in * S) grows with S (cap_in > 0), so the row
-// max is the capped max of S. A softcapped bf16 (1, 8, 2048, 64) forward on a 2-core Zen 5 took
+// relative bias): the scores are computed from S in the row's passes, without score_row's
+// general bias / mask loop. x_j is score_row's (and the backward's p_ds_row's) to the bit, so P
+// is too. A softcap alone needs no max pass of its own: cap_out * tanh(cap_in * S) grows with S
+// (cap_in > 0), so the row max is the capped max of S, and the exp pass computes the capped
+// scores where it uses them. A softcapped bf16 (1, 8, 2048, 64) forward on a 2-core Zen 5 took
 // 1.30x the time of the call without softcap through score_row, 1.08-1.15x on the fly
 // (fastformer-bench --op attention --match softcap, each side by side with the plain call).
-// ALiBi's bf16 forward there: 1.13-1.20x with InlineBias::at's per-vector distance, 0.95-1.10x
-// with the running distance vector of at().
+// With terms the max pass computes every score anyway: it writes them over S (the row is in
+// L1), and the exp pass is the plain one. ALiBi bf16 forward, same shape, 2-core Xeon (AMX):
+// 1.33x -> 1.30x the plain call's time (fastformer-bench --op attention --match alibi); what
+// is left is the terms' own vector work beside AMX GEMMs that take the plain call 9 ms.
 // A new option that changes the scores must be computed in at() or make this false.
 template <typename A>
 bool scores_on_the_fly(const Shape<A>& sh, int64_t q0, int64_t q1, int64_t kb, bool mask_free) {
@@ -182,8 +184,11 @@ struct OnTheFlyScores {
     return at::vec::fmadd(S, mul, extra);
   }
   V first_dist() const { return terms.origin - terms.iota; }
-  A max(const A* s, int64_t cols) const {
-    if (kCapped && !kTerms && sh.cap_in > A(0)) {
+  // Whether max() computes every score and leaves them in s for exp2(): with terms, or a cap
+  // whose max is not the capped max of S (cap_in <= 0, from a scale <= 0).
+  bool stored() const { return kTerms || !(sh.cap_in > A(0)); }
+  A max(A* s, int64_t cols) const {
+    if (!stored()) {
       alignas(64) A lanes[V::size()];
       transformed(V(row_max_of(s, cols)), V(A(0))).store(lanes);
       return lanes[0];
@@ -191,7 +196,11 @@ struct OnTheFlyScores {
     V m(kNegInf<A>);
     const V step(static_cast<A>(V::size()));
     V dist = first_dist();
-    for (int64_t j = 0; j < cols; j += V::size(), dist = dist - step) m = max_nan_from_first(m, at(s, j, dist));
+    for (int64_t j = 0; j < cols; j += V::size(), dist = dist - step) {
+      const V x = at(s, j, dist);
+      x.store(s + j);
+      m = max_nan_from_first(m, x);
+    }
     return reduce_max_no_nan(m);
   }
   A exp2(A* s, int64_t cols, A shift) const {  // as exp2_row after score_row (mul = 1)
@@ -199,7 +208,8 @@ struct OnTheFlyScores {
     const V step(static_cast<A>(V::size()));
     V sum(A(0)), dist = first_dist();
     for (int64_t j = 0; j < cols; j += V::size(), dist = dist - step) {
-      const V p = exp2_nonpositive(at::vec::fmadd(at(s, j, dist), one, neg_shift));
+      const V x = stored() ? V::loadu(s + j) : at(s, j, dist);
+      const V p = exp2_nonpositive(at::vec::fmadd(x, one, neg_shift));
       p.store(s + j);
       sum = sum + p;
     }
