@@ -59,6 +59,10 @@ struct fastformer::ActMath<Vec4> {
   }
   static Vec4 exp(const Vec4& x) { return map(x, ActMath<float>::exp); }
   static Vec4 erf(const Vec4& x) { return map(x, ActMath<float>::erf); }
+  static Vec4 erf_gauss(const Vec4& z, Vec4& gauss) {
+    for (int i = 0; i < 4; ++i) gauss.v[i] = ActMath<float>::exp(-z.v[i] * z.v[i]);
+    return erf(z);
+  }
   static Vec4 tanh(const Vec4& x) { return map(x, ActMath<float>::tanh); }
   static Vec4 relu(const Vec4& x) { return map(x, ActMath<float>::relu); }
   static Vec4 step(const Vec4& x) { return map(x, ActMath<float>::step); }
