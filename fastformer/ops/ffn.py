@@ -315,8 +315,16 @@ class _CpuOnednn(_VendorGemm):
     name = "cpu.onednn"
     dtypes = frozenset({torch.bfloat16, torch.float32})
     features = _FEATURES | {"last_dim_strided", "rows_strided"}
-    act_fwd = staticmethod(lambda pre, act, over: _ext.C.ffn_act_fwd(pre, None, act, over))
     gated_fwd = staticmethod(lambda g, u, act, over: _ext.C.ffn_act_fwd(g, u, act, over))
+
+    @staticmethod
+    def act_fwd(pre, act, over):
+        # The exact (erf) GELU alone is torch's: its CPU GELU is oneDNN's JIT eltwise kernel,
+        # (4096, 3072) in place on 2 Xeon cores 2.2 ms against 2.8 for ours, bf16 and fp32.
+        # The backward's fused pass (d pre and h at once) stays ours.
+        if act == _ACT_CODE["gelu"]:
+            return torch.ops.aten.gelu_(pre) if over else F.gelu(pre)
+        return _ext.C.ffn_act_fwd(pre, None, act, over)
 
     @staticmethod
     def act_bwd(dh, pre, act, need_h):
