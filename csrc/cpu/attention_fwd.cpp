@@ -204,12 +204,12 @@ struct OnTheFlyScores {
     return reduce_max_no_nan(m);
   }
   A exp2(A* s, int64_t cols, A shift) const {  // as exp2_row after score_row (mul = 1)
+    if (stored()) return exp2_row(s, cols, shift);
     const V one(A(1)), neg_shift(-shift);
     const V step(static_cast<A>(V::size()));
     V sum(A(0)), dist = first_dist();
     for (int64_t j = 0; j < cols; j += V::size(), dist = dist - step) {
-      const V x = stored() ? V::loadu(s + j) : at(s, j, dist);
-      const V p = exp2_nonpositive(at::vec::fmadd(x, one, neg_shift));
+      const V p = exp2_nonpositive(at::vec::fmadd(at(s, j, dist), one, neg_shift));
       p.store(s + j);
       sum = sum + p;
     }

@@ -171,8 +171,8 @@ inline Vectorized<A> fast_exp(const Vectorized<A>& x) {
 // (absolute error < 1.5e-7; at::vec's erf uses the same formula), with t from the reciprocal
 // estimate and one Newton step instead of a division and e^(-x^2) from exp2_nonpositive: 2.0x
 // faster than at::vec's erf (a vdivps and a Sleef call per vector) in a loop over L2-resident
-// data on one Xeon core. |x| is capped at 10 (erf(10) is 1 in
-// fp32), so that erf(+-inf) = +-1; NaN stays NaN. Other levels and fp64: at::vec.
+// data on one Xeon core. |x| is capped at 10 (erf(10) is 1 in fp32), so that erf(+-inf) =
+// +-1; NaN stays NaN. Other levels and fp64: at::vec.
 // gauss, when given, receives e^(-x^2) (the GELU's derivative needs it: one exponential less).
 template <typename A>
 inline Vectorized<A> fast_erf(const Vectorized<A>& x, Vectorized<A>* gauss = nullptr) {
