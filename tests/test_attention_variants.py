@@ -144,6 +144,33 @@ def test_options_on_whole_unmasked_key_blocks(backend, dtype, opts):
     _compare(backend, q * 2, k, v, go, key_padding_mask=pad, **kw)
 
 
+# A softcap alone on whole key blocks: P = 2^(cap(S) - shift) in one rounding, the cap a folded
+# polynomial where |scale S / cap| < 1/4 (vec_math.h, ScaledTanh: degree 7 for fp32, 5 for bf16;
+# a row test in the forward, a vector test in the backward), fast_tanh elsewhere. Query rows
+# scaled 0.05 .. 4 give rows wholly in range, rows and vectors that mix; a cap of 1e9 puts the
+# folded coefficients out of fp32's range (fast_tanh throughout). Every CPU level.
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("softcap", [5.0, 1e9])
+def test_softcap_alone_on_whole_key_blocks_every_level(capability_levels, dtype, softcap):
+    q, k, v, go = _inputs(2, 4, 2, 150, 384, 64, dtype)
+    row_scale = torch.logspace(-1.3, 0.6, 150).to(dtype)[:, None]  # 0.05 .. 4
+    try:
+        for level in capability_levels:
+            ff._ext.set_cpu_capability(level)
+            _compare("cpu", q * row_scale, k, v, go, softcap=softcap)
+    finally:
+        ff._ext.set_cpu_capability(capability_levels[-1])
+
+
+# ALiBi: the forward visits each query block's key blocks from its diagonal's block, wrapping
+# around (attention_fwd.cpp); several query and key blocks, both alignments and none.
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_alibi_over_many_key_blocks(causal, dtype):
+    q, k, v, go = _inputs(1, 2, 2, 500, 700, 40, dtype)
+    _compare("cpu", q, k, v, go, alibi_slopes=torch.tensor([0.5, 0.01]), causal=causal)
+
+
 MASK_SHAPES = {"full": lambda B, H, Lq, Lk: (B, H, Lq, Lk), "batch": lambda B, H, Lq, Lk: (1, H, Lq, Lk),
                "heads": lambda B, H, Lq, Lk: (B, 1, Lq, Lk), "2d": lambda B, H, Lq, Lk: (Lq, Lk),
                "rows": lambda B, H, Lq, Lk: (B, H, Lq, 1), "keys": lambda B, H, Lq, Lk: (B, 1, 1, Lk)}

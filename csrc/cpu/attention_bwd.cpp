@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "cpu/attention_common.h"
+#include "cpu/attention_scores.h"
 #include "cpu/attention_mask_structure.h"
 
 namespace fastformer::cpu::CPU_CAPABILITY {
@@ -51,7 +52,8 @@ struct BwdCall {
   using A = acc_t<T>;
   using V = Vectorized<A>;
   const AttnArgs& a;
-  const Shape<A> sh;
+  Shape<A> sh;                      // (points at terms_table)
+  const TermsTable<A> terms_table;  // ALiBi and the relative bias over j - i
   const int64_t n_chunks, kb_per_chunk;
   const int64_t dq_head;      // rows of one head's dQ accumulator: (Lq + kRowSlack) * D_pad
   // One chunk: a task sees every key of its heads, so it writes their dQ itself from one
@@ -78,7 +80,7 @@ struct BwdCall {
   }
 
   explicit BwdCall(const AttnArgs& args)
-      : a(args), sh(args), n_chunks(chunks_for(args, sh)),
+      : a(args), sh(args), terms_table(args, sh), n_chunks(chunks_for(args, sh)),
         kb_per_chunk((sh.n_kb + n_chunks - 1) / n_chunks), dq_head((sh.Lq + kRowSlack) * sh.D_pad),
         task_owns_dq(n_chunks == 1), threshold(args.dropout_p > 0 ? dropout_threshold(args.dropout_p) : 0),
         drop_scale(args.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - args.dropout_p) : A(1)),

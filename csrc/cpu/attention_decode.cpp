@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "cpu/attention_common.h"
+#include "cpu/attention_scores.h"
 
 namespace fastformer::cpu::CPU_CAPABILITY {
 namespace {

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "cpu/attention_common.h"
+#include "cpu/attention_scores.h"
 #include "cpu/attention_mask_structure.h"
 
 namespace fastformer::cpu::CPU_CAPABILITY {
@@ -123,7 +124,8 @@ template <typename T>
 struct FwdCall {
   using A = acc_t<T>;
   const AttnArgs& a;
-  const Shape<A> sh;
+  Shape<A> sh;                      // (points at terms_table)
+  const TermsTable<A> terms_table;  // ALiBi and the relative bias over j - i
   const uint32_t threshold;   // dropout: drop a probability iff its Philox word is below
   const A out_scale;          // 1 / (1 - p)
   const A score_mul;          // S = Q K^T to log2 units, see exp2_row
@@ -131,7 +133,7 @@ struct FwdCall {
   const MaskTiles mask_tiles;  // tiles a bool mask / the key padding masks or attends wholly
 
   explicit FwdCall(const AttnArgs& args)
-      : a(args), sh(args), threshold(args.dropout_p > 0 ? dropout_threshold(args.dropout_p) : 0),
+      : a(args), sh(args), terms_table(args, sh), threshold(args.dropout_p > 0 ? dropout_threshold(args.dropout_p) : 0),
         out_scale(args.dropout_p > 0 ? A(1) / static_cast<A>(1.0 - args.dropout_p) : A(1)),
         score_mul(static_cast<A>(args.scale * kLog2e)), lse(static_cast<A*>(args.lse)),
         mask_tiles(args, kBlockQ, kBlockK) {}
@@ -145,10 +147,8 @@ struct FwdCall {
 // scores where it uses them. A softcapped bf16 (1, 8, 2048, 64) forward on a 2-core Zen 5 took
 // 1.30x the time of the call without softcap through score_row, 1.08-1.15x on the fly
 // (fastformer-bench --op attention --match softcap, each side by side with the plain call).
-// With terms the max pass computes every score anyway: it writes them over S (the row is in
-// L1), and the exp pass is the plain one. ALiBi bf16 forward, same shape, 2-core Xeon (AMX):
-// 1.33x -> 1.30x the plain call's time (fastformer-bench --op attention --match alibi); what
-// is left is the terms' own vector work beside AMX GEMMs that take the plain call 9 ms.
+// With terms the max pass computes every score anyway (S scaled plus the TermsTable's entry):
+// it writes them over S (the row is in L1), and the exp pass is the plain one.
 // A new option that changes the scores must be computed in at() or make this false.
 template <typename A>
 bool scores_on_the_fly(const Shape<A>& sh, int64_t q0, int64_t q1, int64_t kb, bool mask_free) {
@@ -161,70 +161,87 @@ template <typename A, bool kCapped, bool kTerms>
 struct OnTheFlyScores {
   using V = Vectorized<A>;
   const Shape<A>& sh;
-  const InlineBias<A> terms;
+  const A* const terms;  // the row's slice of the call's TermsTable
   const V mul;
 
-  OnTheFlyScores(const AttnArgs& a, const Shape<A>& shape, A score_mul, int64_t b, int64_t h, int64_t qi,
-                 int64_t k0)
-      : sh(shape), terms(a, shape, b, h, qi, k0), mul(score_mul) {}
+  OnTheFlyScores(const Shape<A>& shape, A score_mul, int64_t b, int64_t h, int64_t qi, int64_t k0)
+      : sh(shape),
+        terms(kTerms ? sh.terms + b * sh.terms_bs + h * sh.terms_ld + (k0 - qi + sh.Lq - 1) : nullptr),
+        mul(score_mul) {}
 
-  // transform_scores with the options known at compile time. dist: ALiBi's distance
-  // qi + d - (k0 + j + lane) of vector j, kept by the loops as a running vector (InlineBias::at
-  // recomputes it from j; both are exact integers in A, so the terms are the same bits).
-  V at(const A* s, int64_t j, const V& dist) const {
-    V extra(A(0));
-    if constexpr (kTerms) {
-      if (sh.alibi) extra = terms.neg_slope * dist.abs();
-      if (sh.rel) extra = at::vec::fmadd(V::loadu(terms.rel + j), V(static_cast<A>(kLog2e)), extra);
-    }
-    return transformed(V::loadu(s + j), extra);
+  // transform_scores with the options known at compile time (InlineBias::at reads the table).
+  V at(const A* s, int64_t j) const {
+    const V extra = kTerms ? V::loadu(terms + j) : V(A(0));
+    if constexpr (kCapped) return sh.cap(V::loadu(s + j), extra);
+    return at::vec::fmadd(V::loadu(s + j), mul, extra);
   }
-  V transformed(const V& S, const V& extra) const {
-    if constexpr (kCapped) return at::vec::fmadd(fast_tanh(S * V(sh.cap_in)), V(sh.cap_out), extra);
-    return at::vec::fmadd(S, mul, extra);
-  }
-  V first_dist() const { return terms.origin - terms.iota; }
-  // Whether max() computes every score and leaves them in s for exp2(): with terms, or a cap
-  // whose max is not the capped max of S (cap_in <= 0, from a scale <= 0).
-  bool stored() const { return kTerms || !(sh.cap_in > A(0)); }
-  A max(A* s, int64_t cols) const {
+  // Whether max() computes every score and leaves them in s for exp2(): with terms, a cap
+  // whose max is not the capped max of S (cap_in <= 0, from a scale <= 0), or rows whose P the
+  // backward computes from the rounded capped score (Shape::cap_fused: a bias row, dropout).
+  bool stored() const { return kTerms || !sh.cap_fused(false, 0, 0); }
+  // The row's block max; *small (capped, not stored): whether every |cap_in S| is below the
+  // folded polynomial's bound (ScaledTanh), so that exp2() skips the per-vector test.
+  A max(A* s, int64_t cols, bool* small) const {
     if (!stored()) {
+      V hi(kNegInf<A>), lo(std::numeric_limits<A>::infinity());
+      for (int64_t j = 0; j < cols; j += V::size()) {
+        const V S = V::loadu(s + j);
+        hi = max_nan_from_first(hi, S);
+        lo = min_nan_from_first(lo, S);
+      }
+      const A s_hi = reduce_max_no_nan(hi);
+      const A s_lo = at::vec::vec_reduce_all<A>([](V& x, V& y) { return min_nan_from_first(x, y); }, lo);
+      const A bound = std::max(std::abs(s_hi), std::abs(s_lo));
+      *small = sh.cap.folded && bound * bound < sh.cap.small_x2;
       alignas(64) A lanes[V::size()];
-      transformed(V(row_max_of(s, cols)), V(A(0))).store(lanes);
+      sh.cap(V(s_hi), V(A(0))).store(lanes);
       return lanes[0];
     }
     V m(kNegInf<A>);
-    const V step(static_cast<A>(V::size()));
-    V dist = first_dist();
-    for (int64_t j = 0; j < cols; j += V::size(), dist = dist - step) {
-      const V x = at(s, j, dist);
+    for (int64_t j = 0; j < cols; j += V::size()) {
+      const V x = at(s, j);
       x.store(s + j);
       m = max_nan_from_first(m, x);
     }
     return reduce_max_no_nan(m);
   }
-  A exp2(A* s, int64_t cols, A shift) const {  // as exp2_row after score_row (mul = 1)
+  // As exp2_row after score_row (mul = 1), but with the capped scores computed here (not
+  // stored), where P = 2^(cap(S) - shift) is one rounding of the sum (the backward's p_ds_row
+  // computes uncut rows so too).
+  A exp2(A* s, int64_t cols, A shift, bool small) const {
     if (stored()) return exp2_row(s, cols, shift);
-    const V one(A(1)), neg_shift(-shift);
-    const V step(static_cast<A>(V::size()));
-    V sum(A(0)), dist = first_dist();
-    for (int64_t j = 0; j < cols; j += V::size(), dist = dist - step) {
-      const V p = exp2_nonpositive(at::vec::fmadd(at(s, j, dist), one, neg_shift));
-      p.store(s + j);
-      sum = sum + p;
-    }
+    const V neg_shift(-shift);
+    V sum(A(0));
+    const ScaledTanh<A> cap = sh.cap;  // (a local copy: in registers, see p_ds_row)
+    const auto loop = [&](auto long_poly, auto all_small) {
+      for (int64_t j = 0; j < cols; j += V::size()) {
+        const V S = V::loadu(s + j);
+        V x;
+        if constexpr (decltype(all_small)::value) {  // no per-vector range test
+          x = at::vec::fmadd(S, cap.template poly<long_poly>(S * S), neg_shift);
+        } else {
+          x = cap.template apply<long_poly>(S, neg_shift);
+        }
+        const V p = exp2_nonpositive(x);
+        p.store(s + j);
+        sum = sum + p;
+      }
+    };
+    cap.with_degree([&](auto long_poly) {
+      if (small) loop(long_poly, std::true_type{});
+      else loop(long_poly, std::false_type{});
+    });
     return reduce_add(sum);
   }
 };
 
 // f(OnTheFlyScores<A, capped, terms>) for the row's options.
 template <typename A, class F>
-auto with_scores_on_the_fly(const AttnArgs& a, const Shape<A>& sh, A mul, int64_t b, int64_t h, int64_t qi,
-                            int64_t k0, const F& f) {
+auto with_scores_on_the_fly(const Shape<A>& sh, A mul, int64_t b, int64_t h, int64_t qi, int64_t k0, const F& f) {
   const bool capped = sh.cap_out != A(0), terms = sh.alibi || sh.rel;
-  if (capped && terms) return f(OnTheFlyScores<A, true, true>(a, sh, mul, b, h, qi, k0));
-  if (capped) return f(OnTheFlyScores<A, true, false>(a, sh, mul, b, h, qi, k0));
-  return f(OnTheFlyScores<A, false, true>(a, sh, mul, b, h, qi, k0));
+  if (capped && terms) return f(OnTheFlyScores<A, true, true>(sh, mul, b, h, qi, k0));
+  if (capped) return f(OnTheFlyScores<A, true, false>(sh, mul, b, h, qi, k0));
+  return f(OnTheFlyScores<A, false, true>(sh, mul, b, h, qi, k0));
 }
 
 // Query block qb of head (b, h), K/V from packed head bh_kv of pk (read-only): the online
@@ -248,10 +265,19 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
   std::fill(row_sum, row_sum + kBlockQ, A(0));
 
   // The key blocks the block's queries can see (the band's edges: causality, the window).
-  const int64_t kb_begin = sh.kb_begin(q0), kb_end = sh.kb_end(q0 + n_q);
+  const int64_t kb_begin = sh.kb_begin(q0), kb_end = sh.kb_end(q0 + n_q), n_visible = kb_end - kb_begin;
+  // With ALiBi the visit starts at the key block of the block's middle query's diagonal and
+  // wraps around: a row's largest scores sit near its diagonal, so its max seldom moves after
+  // the first block. In key order it moved at every block up to the diagonal, and each move
+  // costs a scalar exp2 and a pass over the row's accumulator: a bf16 ALiBi forward at (1, 8,
+  // 2048, 64) on the 2-core AMX Xeon took 1.24x the plain call's time in key order, 1.00-1.01x
+  // in this one (the backward's P comes from the saved lse: any order gives it).
+  const int64_t kb_first =
+      sh.alibi && n_visible > 0 ? std::clamp((q0 + n_q / 2 + sh.diag) / kBlockK, kb_begin, kb_end - 1) : kb_begin;
   // acc: written by the first visited key block's P V (accumulate = false), zero if none is.
   bool acc_written = false;
-  for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
+  for (int64_t visit = 0; visit < n_visible; ++visit) {
+    const int64_t kb = kb_begin + (kb_first - kb_begin + visit) % n_visible;
     const MaskTiles::State mask_state = c.mask_tiles.at(b, h, q0, kb);
     if (mask_state == MaskTiles::kDead) continue;
     const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
@@ -266,16 +292,17 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
     const bool shared_bias = sh.shared_bias(a, q0, q0 + n_q, kb);
     for (int64_t i = 0; i < n_q; ++i) {
       A* s = s_tile + i * kScoreLd;
-      const auto fly = [&](const auto& f) { return with_scores_on_the_fly(a, sh, c.score_mul, b, h, q0 + i, k0, f); };
+      const auto fly = [&](const auto& f) { return with_scores_on_the_fly(sh, c.score_mul, b, h, q0 + i, k0, f); };
+      bool small = false;  // (on the fly, capped: the row's scores are in the folded polynomial's range)
       const A block_max = unmasked     ? row_max_of(s, cols) * c.score_mul  // log2 units
-                          : on_the_fly ? fly([&](const auto& scores) { return scores.max(s, cols); })
+                          : on_the_fly ? fly([&](const auto& scores) { return scores.max(s, cols, &small); })
                                        : score_row(a, sh, s, c.score_mul, b, h, q0 + i, k0, n_keys, cols, cut, bias,
                                                    static_cast<A*>(nullptr), shared_bias && i > 0);
       const A new_max = std::max(row_max[i], block_max);
       // alpha = 1 exactly when the max did not move (most key blocks): no exp call.
       const A alpha = new_max == row_max[i] ? A(1) : online_softmax_alpha_log2(row_max[i], new_max);
       const A shift = softmax_shift(new_max);
-      const A block_sum = on_the_fly ? fly([&](const auto& scores) { return scores.exp2(s, cols, shift); })
+      const A block_sum = on_the_fly ? fly([&](const auto& scores) { return scores.exp2(s, cols, shift, small); })
                                      : exp2_row(s, cols, shift, unmasked ? c.score_mul : A(1));
       row_sum[i] = alpha * row_sum[i] + block_sum;
       row_max[i] = new_max;

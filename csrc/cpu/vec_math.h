@@ -129,6 +129,107 @@ inline Vectorized<A> fast_tanh(const Vectorized<A>& y) {
   return y.tanh();
 }
 
+// c tanh(k x) + addend for fixed k > 0 and c (attention's softcap: k = scale / cap, c = cap
+// log2(e)). fp32 at the AVX2 / AVX-512 levels, where |k x| < 1/4 in every lane of a vector: an
+// odd polynomial in k x with k and c folded into its coefficients,
+// x (c1 + x^2 (c3 + x^2 (c5 + x^2 c7))) + addend, x^2 and four FMAs where k x, fast_tanh's small
+// path and c t + addend take ten instructions (a softcapped bf16 forward at (1, 8, 2048, 64) on
+// the 2-core AMX Xeon spent its extra time over the plain call in that vector work). The
+// polynomial is fast_tanh's (relative error 2.9e-9), or for 16-bit inputs (`short_poly`) one of
+// degree 5 fitted here (relative error 4.8e-7 before rounding, 5.3e-7 in fp32 over 2e6 random
+// |y| < 1/4; c7 = 0 and one FMA less), far below the bf16 / fp16 rounding of the inputs and of P.
+// Other vectors, other levels, fp64, and a k so small or large that a coefficient leaves
+// [2^-100, 2^100]: c fast_tanh(k x) + addend. Callers get the derivative 1 - tanh^2(k x) when
+// they ask.
+template <typename A>
+struct ScaledTanh {
+  using V = Vectorized<A>;
+  A k = 0, c = 0;
+  A c1 = 0, c3 = 0, c5 = 0, c7 = 0;
+  A e3 = 0, e5 = 0, e7 = 0;  // the polynomial's derivative: 1 - tanh^2(k x) = 1 + x^2 (e3 + ...)
+  A small_x2 = 0;      // x^2 below it: |k x| < 1/4
+  bool folded = false;  // the folded polynomial is used
+
+  ScaledTanh() = default;
+  ScaledTanh(A k_in, A c_in, bool short_poly) : k(k_in), c(c_in) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<A, float>) {
+      // tanh(y) = y (1 + y^2 (t3 + y^2 (t5 + y^2 t7))), the coefficients as float, times c k^n
+      const double t3 = short_poly ? -0.33324609224397367f : -0.33333240137642367f;  // fast_tanh's
+      const double t5 = short_poly ? 0.12877161326701533f : 0.13324239904630583f;
+      const double t7 = short_poly ? 0.0 : static_cast<double>(-0.05143048098797953f);
+      const double kd = k_in, cd = c_in, k2 = kd * kd;
+      const double values[7] = {cd * kd,          cd * kd * k2 * t3, cd * kd * k2 * k2 * t5, cd * kd * k2 * k2 * k2 * t7,
+                                3 * k2 * t3, 5 * k2 * k2 * t5,  7 * k2 * k2 * k2 * t7};
+      folded = kd > 0;
+      for (double v : values) folded = folded && (v == 0.0 ? t7 == 0.0 : std::abs(v) >= 0x1p-100 && std::abs(v) <= 0x1p100);
+      if (folded) {
+        c1 = static_cast<float>(values[0]);
+        c3 = static_cast<float>(values[1]);
+        c5 = static_cast<float>(values[2]);
+        c7 = static_cast<float>(values[3]);
+        e3 = static_cast<float>(values[4]);
+        e5 = static_cast<float>(values[5]);
+        e7 = static_cast<float>(values[6]);
+        small_x2 = static_cast<float>(0.0625 / k2);  // may round to inf: then every finite x is small
+      }
+    }
+#endif
+  }
+  // The folded polynomial's factor: c tanh(k x) = x poly(x^2) where |k x| < 1/4; kLong: of
+  // degree 7 (c7 != 0), else 5. Loops take the degree from with_degree, outside the loop.
+  template <bool kLong>
+  V poly(const V& x2) const {
+    V p(c5);
+    if constexpr (kLong) p = at::vec::fmadd(V(c7), x2, p);
+    p = at::vec::fmadd(p, x2, V(c3));
+    return at::vec::fmadd(p, x2, V(c1));
+  }
+  // 1 - tanh^2(k x) where |k x| < 1/4: the polynomial's derivative divided by c k (absolute
+  // error 1.8e-7 with fast_tanh's coefficients, 1.7e-5 with the short ones: 16-bit inputs).
+  template <bool kLong>
+  V derivative(const V& x2) const {
+    V q(e5);
+    if constexpr (kLong) q = at::vec::fmadd(V(e7), x2, q);
+    q = at::vec::fmadd(q, x2, V(e3));
+    return at::vec::fmadd(q, x2, V(A(1)));
+  }
+  // f(std::bool_constant<kLong>) for this polynomial's degree.
+  template <class F>
+  decltype(auto) with_degree(const F& f) const {
+    if (c7 != A(0)) return f(std::true_type{});
+    return f(std::false_type{});
+  }
+  // Whether some lane of x^2 is not below small_x2 (NaN included).
+  bool any_large(const V& x2) const {
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (std::is_same_v<A, float>) return _mm512_cmp_ps_mask(x2, _mm512_set1_ps(small_x2), _CMP_NLT_UQ) != 0;
+#endif
+    return (x2 < V(small_x2)).zero_mask() != 0;
+  }
+  // c tanh(k x) + addend; *d (when d is not null) gets 1 - tanh^2(k x). kLong: c7 != 0.
+  template <bool kLong>
+  V apply(const V& x, const V& addend, V* d = nullptr) const {
+    if (folded) {
+      const V x2 = x * x;
+      const V small = at::vec::fmadd(x, poly<kLong>(x2), addend);
+      if (!any_large(x2)) {
+        if (d) *d = derivative<kLong>(x2);
+        return small;
+      }
+      const V t = fast_tanh(x * V(k));
+      if (d) *d = at::vec::fnmadd(t, t, V(A(1)));
+      return V::blendv(at::vec::fmadd(t, V(c), addend), small, x2 < V(small_x2));
+    }
+    const V t = fast_tanh(x * V(k));
+    if (d) *d = at::vec::fnmadd(t, t, V(A(1)));
+    return at::vec::fmadd(t, V(c), addend);
+  }
+  V operator()(const V& x, const V& addend, V* d = nullptr) const {
+    return c7 != A(0) ? apply<true>(x, addend, d) : apply<false>(x, addend, d);
+  }
+};
+
 // e^x for every fp32 x at the AVX2 / AVX-512 levels: n = round(x log2(e)), r = x - n ln2 in
 // two fused steps (ln2's high part, then the rest), |r| <= ln2 / 2, e^r by its degree-7 Taylor
 // polynomial (truncation < 8e-9 relative), times 2^n: as accurate as Sleef's expf (within 2e-7
