@@ -190,12 +190,9 @@ struct OnTheFlyScores {
         lo = min_nan_from_first(lo, S);
       }
       const A s_hi = reduce_max_no_nan(hi);
-      const A s_lo = at::vec::vec_reduce_all<A>([](V& x, V& y) { return min_nan_from_first(x, y); }, lo);
-      const A bound = std::max(std::abs(s_hi), std::abs(s_lo));
+      const A bound = reduce_max_no_nan(max_nan_from_first(hi, V(A(0)) - lo));  // max |S|
       *small = sh.cap.folded && bound * bound < sh.cap.small_x2;
-      alignas(64) A lanes[V::size()];
-      sh.cap(V(s_hi), V(A(0))).store(lanes);
-      return lanes[0];
+      return sh.cap.scalar(s_hi);
     }
     V m(kNegInf<A>);
     for (int64_t j = 0; j < cols; j += V::size()) {

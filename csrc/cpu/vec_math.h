@@ -228,6 +228,13 @@ struct ScaledTanh {
   V operator()(const V& x, const V& addend, V* d = nullptr) const {
     return c7 != A(0) ? apply<true>(x, addend, d) : apply<false>(x, addend, d);
   }
+  // c tanh(k x) of one value, as the vector form up to rounding (a softmax shift: any value
+  // within a few ulps of the row's capped max serves).
+  A scalar(A x) const {
+    const A x2 = x * x;
+    if (folded && x2 < small_x2) return x * std::fma(std::fma(std::fma(c7, x2, c5), x2, c3), x2, c1);
+    return c * std::tanh(k * x);
+  }
 };
 
 // e^x for every fp32 x at the AVX2 / AVX-512 levels: n = round(x log2(e)), r = x - n ln2 in
