@@ -221,6 +221,34 @@ def test_large_scores_rising_between_key_blocks(backend, jump):
     _compare(backend, q, k.flip(2), v, go, scale=1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_key_blocks_bounded_above_the_running_max(capability_levels, dtype):
+    """The cpu forward skips a key block's max pass when scale |q_i| max_j |k_j| is within 24
+    (log2 units, kShiftHeadroom) of the row's running max, shifting by that max: P then reaches
+    2^23 before the normalization. Keys parallel to the queries make the bound exact: block 0's
+    scores are the row's first max, block 1's 23 log2 units above it (bounded: no max pass),
+    block 2's 140 above block 0's (the bound fails: the pass and a rescale; shifted by block 0's
+    max its P would overflow fp32), the short block 3 back at block 0's level. Every CPU level
+    (exp2 of positive arguments differs between them)."""
+    D, Lq = 16, 40
+    log2e = 1.4426950408889634
+    levels = torch.tensor([0.5, 0.5 + 23 / log2e, 0.5 + 140 / log2e, 0.5])  # |k| per block (natural units)
+    norms = torch.cat([levels[i].repeat(n) for i, n in enumerate((192, 192, 192, 30))])
+    g = torch.Generator().manual_seed(3)
+    direction = torch.ones(D) / D ** 0.5
+    q = (direction * (1 + 0.01 * torch.rand(1, 2, Lq, 1, generator=g, dtype=torch.float64))).to(dtype)
+    k = (direction * norms[:, None] * (1 - 0.01 * torch.rand(1, 2, len(norms), 1, generator=g,
+                                                             dtype=torch.float64))).to(dtype)
+    v = torch.randn(1, 2, len(norms), D, generator=g, dtype=torch.float64).to(dtype)
+    go = torch.randn(1, 2, Lq, D, generator=g, dtype=torch.float64).to(dtype)
+    try:
+        for level in capability_levels:
+            ff._ext.set_cpu_capability(level)
+            _compare("cpu", q, k, v, go, scale=1.0)
+    finally:
+        ff._ext.set_cpu_capability(capability_levels[-1])
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("scale", [None, 0.05, 1.7, -0.3])  # -0.3: score_row on every tile
 def test_scale(backend, scale):

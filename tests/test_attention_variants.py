@@ -145,7 +145,7 @@ def test_options_on_whole_unmasked_key_blocks(backend, dtype, opts):
 
 
 # A softcap alone on whole key blocks: P = 2^(cap(S) - shift) in one rounding, the cap a folded
-# polynomial where |scale S / cap| < 1/4 (vec_math.h, ScaledTanh: degree 7 for fp32, 5 for bf16;
+# polynomial where |scale S / cap| < 1/2 (vec_math.h, ScaledTanh: degree 9 for fp32, 7 for bf16;
 # a row test in the forward, a vector test in the backward), fast_tanh elsewhere. Query rows
 # scaled 0.05 .. 4 give rows wholly in range, rows and vectors that mix; a cap of 1e9 puts the
 # folded coefficients out of fp32's range (fast_tanh throughout). Every CPU level.

@@ -238,6 +238,7 @@ inline void load_row(const T* src, int64_t n, int64_t n_pad, A* dst) {
 template <typename A>
 struct Packed {
   A *kt = nullptr, *vt = nullptr, *vp = nullptr, *kp = nullptr;
+  A* k_norm2 = nullptr;  // forward: per block, the largest |k_j|^2 of its keys (the score bound)
   uint32_t *kw = nullptr, *vw = nullptr, *vpw = nullptr, *kpw = nullptr;
   int64_t kt_block_size = 0, vt_block_size = 0, vp_block_size = 0, kp_block_size = 0;
   int64_t kw_block_size = 0, vw_block_size = 0, vpw_block_size = 0, kpw_block_size = 0;
@@ -252,6 +253,7 @@ struct Packed {
       kt_block_size = sh.Bk_pad * sh.D;
       kt = thread_scratch<A, Scratch::kPackKt>(heads * blocks * kt_block_size);
     }
+    if (!backward) k_norm2 = thread_scratch<A, Scratch::kPackKNorm>(heads * blocks);
     if (backward && pairs) {
       vw_block_size = sh.Bk_pad * sh.Dv_bf16 / 2;
       vw = thread_scratch<uint32_t, Scratch::kPackVw>(heads * blocks * vw_block_size);
@@ -280,6 +282,7 @@ struct Packed {
   A* vt_block(int64_t bh, int64_t blk) { return block(vt, vt_block_size, bh, blk); }
   A* vp_block(int64_t bh, int64_t blk) { return block(vp, vp_block_size, bh, blk); }
   A* kp_block(int64_t bh, int64_t blk) { return block(kp, kp_block_size, bh, blk); }
+  A key_norm2(int64_t bh, int64_t blk) const { return k_norm2[bh * blocks + blk]; }
   const uint32_t* kw_block(int64_t bh, int64_t blk) const { return block(kw, kw_block_size, bh, blk); }
   const uint32_t* vw_block(int64_t bh, int64_t blk) const { return block(vw, vw_block_size, bh, blk); }
   uint32_t* kw_block(int64_t bh, int64_t blk) { return block(kw, kw_block_size, bh, blk); }
@@ -407,6 +410,23 @@ inline void put_rows_transposed_panels(const A* rows, int64_t ld, int64_t n_rows
   }
 }
 
+// |x|^2 of a row of n values (fp32 accumulation of the products, vector order).
+template <typename T>
+inline acc_t<T> squared_norm(const T* row, int64_t n) {
+  using V = Vectorized<acc_t<T>>;
+  V sum(acc_t<T>(0));
+  int64_t d = 0;
+  for (; d + V::size() <= n; d += V::size()) {
+    const V x = load_acc(row + d);
+    sum = at::vec::fmadd(x, x, sum);
+  }
+  if (d < n) {
+    const V x = load_acc(row + d, n - d);
+    sum = at::vec::fmadd(x, x, sum);
+  }
+  return reduce_add(sum);
+}
+
 // Packs key block kb of kv head (b, h) into block `blk` of packed head `dst_head`, through
 // the block's rows converted to fp32 (and, for the pair-word layouts, copied as bf16) in the calling
 // thread's scratch.
@@ -419,6 +439,11 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t
   // Only the block's score columns (Shape::block_cols): the panels of a short last block past
   // them are never read (its tile GEMMs stop there), so they are not written either.
   const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
+  if (pk.k_norm2) {
+    A largest = 0;
+    for (int64_t j = 0; j < n_keys; ++j) largest = std::max(largest, squared_norm(kv_row<T>(a, a.k, b, h, k0 + j), sh.D));
+    pk.k_norm2[dst_head * pk.blocks + blk] = largest;  // (NaN keys: NaN is skipped, their scores are NaN anyway)
+  }
   for (int64_t j = 0; j < cols; ++j) {
     A* k_row = k_rows + j * sh.D_pad;
     A* v_row = v_rows + j * sh.Dv_pad;

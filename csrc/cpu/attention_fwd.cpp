@@ -256,8 +256,10 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
   A* const bias = thread_scratch<A, Scratch::kFwdBias>(sh.Bk_pad + Vectorized<A>::size());
   A* const row_max = thread_scratch<A, Scratch::kFwdRowMax>(kBlockQ);
   A* const row_sum = thread_scratch<A, Scratch::kFwdRowSum>(kBlockQ);
+  A* const q_norm2 = thread_scratch<A, Scratch::kFwdQNorm>(kBlockQ);
 
   gemms.load_q(a, b, h, q0, n_q);
+  for (int64_t i = 0; i < n_q; ++i) q_norm2[i] = squared_norm(row_ptr<T>(a.q, b, h, q0 + i), sh.D);
   std::fill(row_max, row_max + kBlockQ, kNegInf<A>);
   std::fill(row_sum, row_sum + kBlockQ, A(0));
 
@@ -287,11 +289,26 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
     const bool unmasked = sh.unmasked(q0, q0 + n_q, kb, c.score_mul, mask_state == MaskTiles::kFull);
     const bool on_the_fly = !unmasked && scores_on_the_fly(sh, q0, q0 + n_q, kb, mask_state == MaskTiles::kFull);
     const bool shared_bias = sh.shared_bias(a, q0, q0 + n_q, kb);
+    const bool cap_alone = sh.cap_fused(false, 0, 0);  // on the fly: OnTheFlyScores::stored() is false
     for (int64_t i = 0; i < n_q; ++i) {
       A* s = s_tile + i * kScoreLd;
       const auto fly = [&](const auto& f) { return with_scores_on_the_fly(sh, c.score_mul, b, h, q0 + i, k0, f); };
       bool small = false;  // (on the fly, capped: the row's scores are in the folded polynomial's range)
-      const A block_max = unmasked     ? row_max_of(s, cols) * c.score_mul  // log2 units
+      // An unmasked tile whose scores cannot exceed the row's running max by more than
+      // kShiftHeadroom (Cauchy-Schwarz: scale S_ij <= scale |q_i| max_j |k_j|) keeps that max
+      // as its shift: no max pass (P up to 2^kShiftHeadroom, the row's sum and lse exact all
+      // the same; the first visited block, and blocks whose bound is loose, take the pass).
+      // A softcap alone (on the fly, not stored) bounds c tanh(k S) the same way, and |S|'s
+      // bound may put the whole tile in the folded polynomial's range (ScaledTanh).
+      bool bounded = false;
+      if ((unmasked || (on_the_fly && cap_alone)) && row_max[i] > kNegInf<A>) {
+        const A qk = q_norm2[i] * pk.key_norm2(bh_kv, kb), s_bound = std::sqrt(qk);
+        const A bound = unmasked ? s_bound * c.score_mul : sh.cap.scalar(s_bound);
+        bounded = bound <= row_max[i] + kShiftHeadroom;
+        if (bounded && !unmasked) small = sh.cap.folded && qk < sh.cap.small_x2;
+      }
+      const A block_max = bounded      ? row_max[i]
+                          : unmasked   ? row_max_of(s, cols) * c.score_mul  // log2 units
                           : on_the_fly ? fly([&](const auto& scores) { return scores.max(s, cols, &small); })
                                        : score_row(a, sh, s, c.score_mul, b, h, q0 + i, k0, n_keys, cols, cut, bias,
                                                    static_cast<A*>(nullptr), shared_bias && i > 0);

@@ -37,6 +37,7 @@ enum class Scratch : int {
   kFwdBias,            // one score row's bias (masks)
   kFwdRowMax,
   kFwdRowSum,
+  kFwdQNorm,           // |q_i|^2 of the block's query rows (the score bound)
 
   // attention backward (attention_bwd.cpp)
   kBwdDqPartials,      // fp32 dQ partials per key chunk (shared by the tasks)
@@ -87,6 +88,7 @@ enum class Scratch : int {
   kPackKp,
   kPackVp,
   kPackKw,
+  kPackKNorm,          // forward: the largest |k_j|^2 of each packed key block
   kPackVw,
   kPackKpw,
   kPackVpw,

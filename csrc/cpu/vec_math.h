@@ -66,6 +66,11 @@ inline Vectorized<float> exp2_unit_poly(const Vectorized<float>& f) {
 // against 52.3 with subnormals flushed (MXCSR) and 55.0 for the call without ALiBi.
 constexpr float kExp2Flush = -64.0f;
 
+// exp2_nonpositive is exact as well (same relative error) for x up to kShiftHeadroom: the
+// attention forward may shift a key block's scores by a running max up to that far below them
+// (attention_fwd.cpp), so P reaches 2^kShiftHeadroom, far from fp32's overflow at 2^128.
+constexpr float kShiftHeadroom = 24.0f;
+
 // 2^x for x <= 0 (scores minus the row max, log2 units). AVX2/AVX-512 fp32: 2^floor(x) times
 // exp2_unit_poly(x - floor(x)) (max relative error 1.9e-7 (AVX2) / 1.7e-7 (AVX-512) over 8.2e8
 // x in [-200, 0]; exact at 0 so that a row's max element has P = 1 and a single-key row has
@@ -130,74 +135,87 @@ inline Vectorized<A> fast_tanh(const Vectorized<A>& y) {
 }
 
 // c tanh(k x) + addend for fixed k > 0 and c (attention's softcap: k = scale / cap, c = cap
-// log2(e)). fp32 at the AVX2 / AVX-512 levels, where |k x| < 1/4 in every lane of a vector: an
-// odd polynomial in k x with k and c folded into its coefficients,
-// x (c1 + x^2 (c3 + x^2 (c5 + x^2 c7))) + addend, x^2 and four FMAs where k x, fast_tanh's small
-// path and c t + addend take ten instructions (a softcapped bf16 forward at (1, 8, 2048, 64) on
-// the 2-core AMX Xeon spent its extra time over the plain call in that vector work). The
-// polynomial is fast_tanh's (relative error 2.9e-9), or for 16-bit inputs (`short_poly`) one of
-// degree 5 fitted here (relative error 4.8e-7 before rounding, 5.3e-7 in fp32 over 2e6 random
-// |y| < 1/4; c7 = 0 and one FMA less), far below the bf16 / fp16 rounding of the inputs and of P.
-// Other vectors, other levels, fp64, and a k so small or large that a coefficient leaves
-// [2^-100, 2^100]: c fast_tanh(k x) + addend. Callers get the derivative 1 - tanh^2(k x) when
-// they ask.
+// log2(e)). fp32 at the AVX2 / AVX-512 levels, where |k x| < 1/2 in every lane of a vector: an
+// odd polynomial in k x with k and c folded into its coefficients, x (c1 + x^2 (c3 + ...)) +
+// addend, x^2 and four or five FMAs where k x, fast_tanh and c t + addend take ten instructions
+// or more (a softcapped bf16 forward at (1, 8, 2048, 64) on the 2-core AMX Xeon spent its extra
+// time over the plain call in that vector work). The polynomials are fitted here for the least
+// maximum relative error on [0, 1/2]: degree 9 (1.6e-8 before rounding, 1.0e-7 in fp32 over 1e6
+// random |y| < 1/2), or for 16-bit inputs (`short_poly`) degree 7 (6.7e-7, 7.3e-7 in fp32; one
+// FMA less), far below the bf16 / fp16 rounding of the inputs and of P. 1/2 and not less: the
+// forward can then often tell from |q_i| max_j |k_j| alone that a tile is in range, without a
+// pass over its scores (attention_fwd.cpp). Other vectors, other levels, fp64, and a k so small
+// or large that a coefficient leaves [2^-100, 2^100]: c fast_tanh(k x) + addend. Callers get
+// the derivative 1 - tanh^2(k x) when they ask: the polynomial's own (absolute error 1.4e-6,
+// short 3.8e-5).
 template <typename A>
 struct ScaledTanh {
   using V = Vectorized<A>;
   A k = 0, c = 0;
-  A c1 = 0, c3 = 0, c5 = 0, c7 = 0;
-  A e3 = 0, e5 = 0, e7 = 0;  // the polynomial's derivative: 1 - tanh^2(k x) = 1 + x^2 (e3 + ...)
-  A small_x2 = 0;      // x^2 below it: |k x| < 1/4
+  A c1 = 0, c3 = 0, c5 = 0, c7 = 0, c9 = 0;  // c9 = 0: the short polynomial
+  A e3 = 0, e5 = 0, e7 = 0, e9 = 0;  // the derivative: 1 - tanh^2(k x) = 1 + x^2 (e3 + x^2 (e5 + ...))
+  A small_x2 = 0;      // x^2 below it: |k x| < 1/2
   bool folded = false;  // the folded polynomial is used
 
   ScaledTanh() = default;
   ScaledTanh(A k_in, A c_in, bool short_poly) : k(k_in), c(c_in) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
     if constexpr (std::is_same_v<A, float>) {
-      // tanh(y) = y (1 + y^2 (t3 + y^2 (t5 + y^2 t7))), the coefficients as float, times c k^n
-      const double t3 = short_poly ? -0.33324609224397367f : -0.33333240137642367f;  // fast_tanh's
-      const double t5 = short_poly ? 0.12877161326701533f : 0.13324239904630583f;
-      const double t7 = short_poly ? 0.0 : static_cast<double>(-0.05143048098797953f);
+      // tanh(y) = y (1 + y^2 (t[0] + y^2 (t[1] + ...))), the fits as float, times c k^n in double
+      static constexpr float kLong[4] = {-0.333331484082847f, 0.13325988160766203f, -0.05305301959504865f,
+                                         0.017257153528466105f};
+      static constexpr float kShort[4] = {-0.3332826574765535f, 0.1320673250695511f, -0.044790076439697686f, 0.0f};
+      const float* t = short_poly ? kShort : kLong;
       const double kd = k_in, cd = c_in, k2 = kd * kd;
-      const double values[7] = {cd * kd,          cd * kd * k2 * t3, cd * kd * k2 * k2 * t5, cd * kd * k2 * k2 * k2 * t7,
-                                3 * k2 * t3, 5 * k2 * k2 * t5,  7 * k2 * k2 * k2 * t7};
+      double coef[5] = {cd * kd}, deriv[4];
+      double k_pow = kd;  // k^(2n + 1)
+      for (int n = 0; n < 4; ++n) {
+        k_pow *= k2;
+        coef[n + 1] = cd * k_pow * t[n];
+        deriv[n] = (2 * n + 3) * (k_pow / kd) * t[n];
+      }
       folded = kd > 0;
-      for (double v : values) folded = folded && (v == 0.0 ? t7 == 0.0 : std::abs(v) >= 0x1p-100 && std::abs(v) <= 0x1p100);
+      const auto normal = [](double v) { return std::abs(v) >= 0x1p-100 && std::abs(v) <= 0x1p100; };
+      for (int n = 0; n < 5; ++n) folded = folded && (normal(coef[n]) || (n == 4 && short_poly));
+      for (int n = 0; n < 4; ++n) folded = folded && (normal(deriv[n]) || (n == 3 && short_poly));
       if (folded) {
-        c1 = static_cast<float>(values[0]);
-        c3 = static_cast<float>(values[1]);
-        c5 = static_cast<float>(values[2]);
-        c7 = static_cast<float>(values[3]);
-        e3 = static_cast<float>(values[4]);
-        e5 = static_cast<float>(values[5]);
-        e7 = static_cast<float>(values[6]);
-        small_x2 = static_cast<float>(0.0625 / k2);  // may round to inf: then every finite x is small
+        c1 = static_cast<float>(coef[0]);
+        c3 = static_cast<float>(coef[1]);
+        c5 = static_cast<float>(coef[2]);
+        c7 = static_cast<float>(coef[3]);
+        c9 = static_cast<float>(coef[4]);
+        e3 = static_cast<float>(deriv[0]);
+        e5 = static_cast<float>(deriv[1]);
+        e7 = static_cast<float>(deriv[2]);
+        e9 = static_cast<float>(deriv[3]);
+        small_x2 = static_cast<float>(0.25 / k2);  // may round to inf: then every finite x is small
       }
     }
 #endif
   }
-  // The folded polynomial's factor: c tanh(k x) = x poly(x^2) where |k x| < 1/4; kLong: of
-  // degree 7 (c7 != 0), else 5. Loops take the degree from with_degree, outside the loop.
+  // The folded polynomial's factor: c tanh(k x) = x poly(x^2) where |k x| < 1/2; kLong: of
+  // degree 9 (c9 != 0), else 7. Loops take the degree from with_degree, outside the loop.
   template <bool kLong>
   V poly(const V& x2) const {
-    V p(c5);
-    if constexpr (kLong) p = at::vec::fmadd(V(c7), x2, p);
+    V p(c7);
+    if constexpr (kLong) p = at::vec::fmadd(V(c9), x2, p);
+    p = at::vec::fmadd(p, x2, V(c5));
     p = at::vec::fmadd(p, x2, V(c3));
     return at::vec::fmadd(p, x2, V(c1));
   }
-  // 1 - tanh^2(k x) where |k x| < 1/4: the polynomial's derivative divided by c k (absolute
-  // error 1.8e-7 with fast_tanh's coefficients, 1.7e-5 with the short ones: 16-bit inputs).
+  // 1 - tanh^2(k x) where |k x| < 1/2: the polynomial's derivative divided by c k.
   template <bool kLong>
   V derivative(const V& x2) const {
-    V q(e5);
-    if constexpr (kLong) q = at::vec::fmadd(V(e7), x2, q);
+    V q(e7);
+    if constexpr (kLong) q = at::vec::fmadd(V(e9), x2, q);
+    q = at::vec::fmadd(q, x2, V(e5));
     q = at::vec::fmadd(q, x2, V(e3));
     return at::vec::fmadd(q, x2, V(A(1)));
   }
   // f(std::bool_constant<kLong>) for this polynomial's degree.
   template <class F>
   decltype(auto) with_degree(const F& f) const {
-    if (c7 != A(0)) return f(std::true_type{});
+    if (c9 != A(0)) return f(std::true_type{});
     return f(std::false_type{});
   }
   // Whether some lane of x^2 is not below small_x2 (NaN included).
@@ -226,13 +244,13 @@ struct ScaledTanh {
     return at::vec::fmadd(t, V(c), addend);
   }
   V operator()(const V& x, const V& addend, V* d = nullptr) const {
-    return c7 != A(0) ? apply<true>(x, addend, d) : apply<false>(x, addend, d);
+    return c9 != A(0) ? apply<true>(x, addend, d) : apply<false>(x, addend, d);
   }
   // c tanh(k x) of one value, as the vector form up to rounding (a softmax shift: any value
   // within a few ulps of the row's capped max serves).
   A scalar(A x) const {
     const A x2 = x * x;
-    if (folded && x2 < small_x2) return x * std::fma(std::fma(std::fma(c7, x2, c5), x2, c3), x2, c1);
+    if (folded && x2 < small_x2) return x * std::fma(std::fma(std::fma(std::fma(c9, x2, c7), x2, c5), x2, c3), x2, c1);
     return c * std::tanh(k * x);
   }
 };
