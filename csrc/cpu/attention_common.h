@@ -87,6 +87,9 @@ struct Shape {
   // InlineBias computes them): (b, h)'s vector at terms + b * terms_bs + h * terms_ld.
   const A* terms = nullptr;
   int64_t terms_ld = 0, terms_bs = 0;
+  const A* terms_max = nullptr;  // the largest entry of (b, h)'s vector at [b * H + h] (terms_bs
+                                 // != 0) or [h]
+  A terms_bound(int64_t b, int64_t h) const { return terms_max[(terms_bs != 0 ? b * H : 0) + h]; }
 
   explicit Shape(const AttnArgs& a) {
     constexpr int64_t NR = MicroShape<A>::kNR;

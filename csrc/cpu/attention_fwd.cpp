@@ -205,10 +205,20 @@ struct OnTheFlyScores {
   // As exp2_row after score_row (mul = 1), but with the capped scores computed here (not
   // stored), where P = 2^(cap(S) - shift) is one rounding of the sum (the backward's p_ds_row
   // computes uncut rows so too).
-  A exp2(A* s, int64_t cols, A shift, bool small) const {
-    if (stored()) return exp2_row(s, cols, shift);
+  A exp2(A* s, int64_t cols, A shift, bool small, bool max_skipped) const {
     const V neg_shift(-shift);
     V sum(A(0));
+    if constexpr (kTerms && !kCapped) {
+      if (max_skipped) {  // the scores as max() stores them, then exp2_row's shift
+        for (int64_t j = 0; j < cols; j += V::size()) {
+          const V p = exp2_nonpositive(at::vec::fmadd(at(s, j), V(A(1)), neg_shift));
+          p.store(s + j);
+          sum = sum + p;
+        }
+        return reduce_add(sum);
+      }
+    }
+    if (stored()) return exp2_row(s, cols, shift);
     const ScaledTanh<A> cap = sh.cap;  // (a local copy: in registers, see p_ds_row)
     const auto loop = [&](auto long_poly, auto all_small) {
       for (int64_t j = 0; j < cols; j += V::size()) {
@@ -290,6 +300,7 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
     const bool on_the_fly = !unmasked && scores_on_the_fly(sh, q0, q0 + n_q, kb, mask_state == MaskTiles::kFull);
     const bool shared_bias = sh.shared_bias(a, q0, q0 + n_q, kb);
     const bool cap_alone = sh.cap_fused(false, 0, 0);  // on the fly: OnTheFlyScores::stored() is false
+    const bool terms_alone = (sh.alibi || sh.rel) && sh.cap_out == A(0) && c.score_mul > A(0);
     for (int64_t i = 0; i < n_q; ++i) {
       A* s = s_tile + i * kScoreLd;
       const auto fly = [&](const auto& f) { return with_scores_on_the_fly(sh, c.score_mul, b, h, q0 + i, k0, f); };
@@ -300,10 +311,14 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
       // the same; the first visited block, and blocks whose bound is loose, take the pass).
       // A softcap alone (on the fly, not stored) bounds c tanh(k S) the same way, and |S|'s
       // bound may put the whole tile in the folded polynomial's range (ScaledTanh).
+      // So do terms alone (ALiBi, the relative bias: at most the TermsTable's largest entry);
+      // exp2() then computes the scores max() would have stored.
       bool bounded = false;
-      if ((unmasked || (on_the_fly && cap_alone)) && row_max[i] > kNegInf<A>) {
+      if ((unmasked || (on_the_fly && (cap_alone || terms_alone))) && row_max[i] > kNegInf<A>) {
         const A qk = q_norm2[i] * pk.key_norm2(bh_kv, kb), s_bound = std::sqrt(qk);
-        const A bound = unmasked ? s_bound * c.score_mul : sh.cap.scalar(s_bound);
+        const A bound = unmasked      ? s_bound * c.score_mul
+                        : terms_alone ? s_bound * c.score_mul + sh.terms_bound(b, h)
+                                      : sh.cap.scalar(s_bound);
         bounded = bound <= row_max[i] + kShiftHeadroom;
         if (bounded && !unmasked) small = sh.cap.folded && qk < sh.cap.small_x2;
       }
@@ -316,7 +331,7 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
       // alpha = 1 exactly when the max did not move (most key blocks): no exp call.
       const A alpha = new_max == row_max[i] ? A(1) : online_softmax_alpha_log2(row_max[i], new_max);
       const A shift = softmax_shift(new_max);
-      const A block_sum = on_the_fly ? fly([&](const auto& scores) { return scores.exp2(s, cols, shift, small); })
+      const A block_sum = on_the_fly ? fly([&](const auto& scores) { return scores.exp2(s, cols, shift, small, bounded); })
                                      : exp2_row(s, cols, shift, unmasked ? c.score_mul : A(1));
       row_sum[i] = alpha * row_sum[i] + block_sum;
       row_max[i] = new_max;

@@ -70,22 +70,26 @@ struct InlineBias {
 template <typename A>
 struct TermsTable {
   std::vector<A> values;
+  std::vector<A> maxima;  // per vector, its largest entry (a bound on any row's terms)
   TermsTable(const AttnArgs& a, Shape<A>& sh) {
     if (!sh.alibi && !sh.rel) return;
     using V = Vectorized<A>;
     const int64_t ld = round_up_to(sh.Lq + sh.Lk - 1 + kRelSlack, V::size());
     const int64_t n_b = a.alibi_slopes && a.alibi_s[0] != 0 ? sh.B : 1;
     values.assign(n_b * sh.H * ld, A(0));
+    maxima.assign(n_b * sh.H, A(0));
     const int64_t filled = round_up_to(sh.Lq + sh.Lk - 1, V::size());  // <= ld - kRelSlack + V::size()
     for (int64_t b = 0; b < n_b; ++b)
       for (int64_t h = 0; h < sh.H; ++h) {
         const InlineBias<A> row(a, sh, b, h, sh.Lq - 1, 0);
         A* out = values.data() + (b * sh.H + h) * ld;
         for (int64_t j = 0; j < filled; j += V::size()) row.at(sh, j).store(out + j);
+        maxima[b * sh.H + h] = *std::max_element(out, out + ld);  // (NaN entries: their scores are NaN)
       }
     sh.terms = values.data();
     sh.terms_ld = ld;
     sh.terms_bs = n_b > 1 ? sh.H * ld : 0;
+    sh.terms_max = maxima.data();
   }
 };
 
