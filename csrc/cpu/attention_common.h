@@ -442,11 +442,14 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t
   // Only the block's score columns (Shape::block_cols): the panels of a short last block past
   // them are never read (its tile GEMMs stop there), so they are not written either.
   const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
-  if (pk.k_norm2) {
+  // The block's largest |k_j|^2 (forward), from the rows as they are staged here (in cache).
+  // NaN keys are skipped: their scores are NaN whatever the shift.
+  const auto largest_norm2 = [&](const auto* rows, int64_t ld) {
     A largest = 0;
-    for (int64_t j = 0; j < n_keys; ++j) largest = std::max(largest, squared_norm(kv_row<T>(a, a.k, b, h, k0 + j), sh.D));
-    pk.k_norm2[dst_head * pk.blocks + blk] = largest;  // (NaN keys: NaN is skipped, their scores are NaN anyway)
-  }
+    for (int64_t j = 0; j < n_keys; ++j) largest = std::max(largest, squared_norm(rows + j * ld, sh.D));
+    pk.k_norm2[dst_head * pk.blocks + blk] = largest;
+  };
+  if (pk.k_norm2) pk.k_norm2[dst_head * pk.blocks + blk] = std::numeric_limits<A>::infinity();  // (until computed)
   for (int64_t j = 0; j < cols; ++j) {
     A* k_row = k_rows + j * sh.D_pad;
     A* v_row = v_rows + j * sh.Dv_pad;
@@ -470,7 +473,8 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t
       return rows;
     };
     if (pk.kw || pk.kpw) {
-      const c10::BFloat16* k_bf16 = stage(a.k, sh.D, sh.D_bf16);
+      const c10::BFloat16* k_bf16 = stage(a.k, sh.D, sh.D_bf16);  // (zero rows for keys no query sees)
+      if (pk.k_norm2) largest_norm2(k_bf16, sh.D_bf16);
       if (pk.kw) put_rows_pair_panels(k_bf16, sh.D_bf16, cols, sh.D_bf16, pk.kw_block(dst_head, blk));
       if (pk.kpw) put_row_pairs_panels(k_bf16, sh.D_bf16, cols, sh.D_bf16, pk.kpw_block(dst_head, blk));
     }
@@ -480,6 +484,7 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t
       if (pk.vpw) put_row_pairs_panels(v_bf16, sh.Dv_bf16, cols, sh.Dv_bf16, pk.vpw_block(dst_head, blk));
     }
   }
+  if (pk.k_norm2 && k_fp32) largest_norm2(k_rows, sh.D_pad);
   if (pk.kt) put_rows_transposed_panels(k_rows, sh.D_pad, cols, sh.D, pk.kt_block(dst_head, blk));
   if (pk.vt) put_rows_transposed_panels(v_rows, sh.Dv_pad, cols, sh.Dv, pk.vt_block(dst_head, blk));
   for (int64_t j = 0; j < cols; ++j) {
