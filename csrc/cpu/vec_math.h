@@ -193,25 +193,22 @@ struct ScaledTanh {
     }
 #endif
   }
+  // h1 + x2 (h3 + x2 (h5 + x2 (h7 + x2 h9))), the h9 term only when kLong.
+  template <bool kLong>
+  static V horner(const V& x2, A h9, A h7, A h5, A h3, A h1) {
+    V p(h7);
+    if constexpr (kLong) p = at::vec::fmadd(V(h9), x2, p);
+    p = at::vec::fmadd(p, x2, V(h5));
+    p = at::vec::fmadd(p, x2, V(h3));
+    return at::vec::fmadd(p, x2, V(h1));
+  }
   // The folded polynomial's factor: c tanh(k x) = x poly(x^2) where |k x| < 1/2; kLong: of
   // degree 9 (c9 != 0), else 7. Loops take the degree from with_degree, outside the loop.
   template <bool kLong>
-  V poly(const V& x2) const {
-    V p(c7);
-    if constexpr (kLong) p = at::vec::fmadd(V(c9), x2, p);
-    p = at::vec::fmadd(p, x2, V(c5));
-    p = at::vec::fmadd(p, x2, V(c3));
-    return at::vec::fmadd(p, x2, V(c1));
-  }
+  V poly(const V& x2) const { return horner<kLong>(x2, c9, c7, c5, c3, c1); }
   // 1 - tanh^2(k x) where |k x| < 1/2: the polynomial's derivative divided by c k.
   template <bool kLong>
-  V derivative(const V& x2) const {
-    V q(e7);
-    if constexpr (kLong) q = at::vec::fmadd(V(e9), x2, q);
-    q = at::vec::fmadd(q, x2, V(e5));
-    q = at::vec::fmadd(q, x2, V(e3));
-    return at::vec::fmadd(q, x2, V(A(1)));
-  }
+  V derivative(const V& x2) const { return horner<kLong>(x2, e9, e7, e5, e3, A(1)); }
   // f(std::bool_constant<kLong>) for this polynomial's degree.
   template <class F>
   decltype(auto) with_degree(const F& f) const {
