@@ -91,6 +91,7 @@ void attention_decode_typed(const AttnArgs& a) {
     std::fill(row_sum, row_sum + R, A(0));
     if (kb0 >= kb1) std::fill(acc, acc + R * Dv_pad, A(0));
     Packed<A> pk(sh, 1, 1, /*backward=*/false, /*pairs=*/false);
+    pk.k_norm2 = nullptr;  // (no score bounds here: every block's rows take the max pass)
     for (int64_t kb = kb0; kb < kb1; ++kb) {
       const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
       pack_kv_block<T, A>(ab, sh, pk, b, hkv, kb, 0, 0);
