@@ -74,7 +74,10 @@ def test_low_precision(backend, dtype, lq, lk, d, causal):
 # oracle, at head dims off those grids.
 _BF16_GEMM_CASES = [(113, 203, 40, (8, 2), "top_left"), (203, 113, 72, (4, 4), "bottom_right"),
               (256, 512, 128, (8, 1), False), (1, 239, 8, (4, 4), False), (45, 37, 200, (2, 2), "top_left"),
-              (17, 17, 24, (2, 1), False)]
+              (17, 17, 24, (2, 1), False),
+              # decoding (attention_decode.cpp): G * Lq rows of a kv head against key rows read
+              # in place (head dims of 32s), over several key blocks and splits
+              (4, 800, 128, (8, 2), "bottom_right"), (3, 500, 64, (16, 1), False)]
 
 
 @pytest.mark.parametrize("gemm", BF16_GEMMS)

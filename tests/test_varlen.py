@@ -5,7 +5,7 @@ the eager oracle of tests/attention_oracle.py run on each sequence alone (ARCHIT
 """
 import pytest
 import torch
-from attention_oracle import oracle_attention
+from attention_oracle import BF16_GEMMS, bf16_attention_gemm, oracle_attention
 from oracle import check
 
 import fastformer as ff
@@ -285,6 +285,32 @@ def test_kvcache_options(backend, option):
         torch.testing.assert_close(lse.double(), expect, atol=1e-5, rtol=1e-5)
         got = out
     check("out", got, ref.float(), atol=1e-5, rtol=1e-5)
+
+
+# bf16 decoding on bf16 instructions (attention_decode.cpp, DecodeBf16Gemms) reads the cache's
+# key rows in place 16 at a time where it can (head dims of 32s, a page of 16s) and copies the
+# others, and interleaves value rows straight from the cache: contiguous and paged caches with
+# pages of 8, 16 and 32 keys, a window, NaN in the cache past each row's keys (not part of the
+# call, so not of the output). Every bf16 GEMM path.
+@pytest.mark.parametrize("gemm", BF16_GEMMS)
+@pytest.mark.parametrize("D, block_size", [(128, None), (64, 16), (64, 32), (128, 8), (80, 16), (72, None)])
+@pytest.mark.parametrize("window", [None, (300, 0)])
+def test_bf16_decode_reads_the_cache_in_place(gemm, D, block_size, window):
+    B, H, Hkv, Lq, lens, L_max = 2, 8, 2, 2, [700, 37], 768
+    q, k_cache, v_cache, _, _, seqlens = _cache_case(B, H, Hkv, Lq, D, lens, L_max, BF16)
+    for b, n in enumerate(lens):
+        k_cache[b, :, n:] = float("nan")
+        v_cache[b, :, n:] = float("nan")
+    kc, vc, table = k_cache, v_cache, None
+    if block_size:
+        kc, table = _paged(k_cache, block_size)
+        vc, _ = _paged(v_cache, block_size)
+    kw = dict(window=window) if window else {}
+    with bf16_attention_gemm(gemm), ff.use_backend("cpu"):
+        out = ff.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, **kw)
+    ref = _cache_oracle(q, k_cache, v_cache, seqlens, F32, **kw)
+    low = _cache_oracle(q, k_cache, v_cache, seqlens, BF16, **kw)
+    check("out", out, ref, low)
 
 
 def test_decode_splits_keys_deterministically():

@@ -80,35 +80,50 @@ inline void put_rows_pair_panels(const c10::BFloat16* rows, int64_t ld, int64_t 
       transpose_8x8<float>(src + r0 * ld_words + w, ld_words, out + (r0 / 16) * words * 16 + w * 16 + r0 % 16, 16);
 }
 
-// Rows [0, n_rows) of bf16 `rows` (row stride ld, n_rows even, n_cols a multiple of 32) as
-// the pair-word B operand of the matrix itself (K = its rows): word (p, j) holds elements
-// (2p, j) and (2p + 1, j), in 16-column panels of n_rows / 2 words each (the header's layout).
-// AVX-512: two 32-value row segments interleaved by two VPERMT2W.
-inline void put_row_pairs_panels(const c10::BFloat16* rows, int64_t ld, int64_t n_rows, int64_t n_cols, uint32_t* dst) {
+// Rows [0, n_rows) of a bf16 matrix (row i at row_of(i), n values of it, zeros past them up to
+// n_cols, a multiple of 32; a null row_of(i) is a zero row; n_rows even) as the pair-word B
+// operand of the matrix itself (K = its rows): word (p, j) holds elements (2p, j) and (2p + 1,
+// j), in 16-column panels of n_rows / 2 words each (the header's layout). AVX-512: two
+// 32-value row segments (masked loads past n) interleaved by two VPERMT2W.
+template <class RowOf>
+inline void put_row_pairs_panels_of(const RowOf& row_of, int64_t n_rows, int64_t n, int64_t n_cols, uint32_t* dst) {
   const int64_t pairs = n_rows / 2;
 #if defined(CPU_CAPABILITY_AVX512)
   alignas(64) static constexpr uint16_t kLo[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i idx_lo = _mm512_load_si512(kLo);
   const __m512i idx_hi = _mm512_add_epi16(idx_lo, _mm512_set1_epi16(16));
+  const auto segment = [&](const c10::BFloat16* row, int64_t c) {
+    if (!row || c >= n) return _mm512_setzero_si512();
+    if (c + 32 <= n) return _mm512_loadu_si512(row + c);
+    return _mm512_maskz_loadu_epi16((__mmask32{1} << (n - c)) - 1, row + c);
+  };
   for (int64_t p = 0; p < pairs; ++p) {
-    const c10::BFloat16* even = rows + 2 * p * ld;
+    const c10::BFloat16 *even = row_of(2 * p), *odd = row_of(2 * p + 1);
     for (int64_t c = 0; c < n_cols; c += 32) {
-      const __m512i e = _mm512_loadu_si512(even + c), o = _mm512_loadu_si512(even + ld + c);
+      const __m512i e = segment(even, c), o = segment(odd, c);
       uint32_t* panel = dst + (c / 16) * pairs * 16 + p * 16;
       _mm512_storeu_si512(panel, _mm512_permutex2var_epi16(e, idx_lo, o));
       _mm512_storeu_si512(panel + pairs * 16, _mm512_permutex2var_epi16(e, idx_hi, o));
     }
   }
 #else
-  for (int64_t p = 0; p < pairs; ++p)
-    for (int64_t j = 0; j < n_cols; ++j) {
-      uint16_t lo, hi;
-      std::memcpy(&lo, rows + 2 * p * ld + j, 2);
-      std::memcpy(&hi, rows + (2 * p + 1) * ld + j, 2);
-      dst[(j / 16) * pairs * 16 + p * 16 + j % 16] = lo | static_cast<uint32_t>(hi) << 16;
-    }
+  const auto value = [&](const c10::BFloat16* row, int64_t j) -> uint32_t {
+    uint16_t bits = 0;
+    if (row && j < n) std::memcpy(&bits, row + j, 2);
+    return bits;
+  };
+  for (int64_t p = 0; p < pairs; ++p) {
+    const c10::BFloat16 *even = row_of(2 * p), *odd = row_of(2 * p + 1);
+    for (int64_t j = 0; j < n_cols; ++j)
+      dst[(j / 16) * pairs * 16 + p * 16 + j % 16] = value(even, j) | value(odd, j) << 16;
+  }
 #endif
+}
+
+// put_row_pairs_panels_of for rows at a stride (row i at rows + i * ld, all n_cols values).
+inline void put_row_pairs_panels(const c10::BFloat16* rows, int64_t ld, int64_t n_rows, int64_t n_cols, uint32_t* dst) {
+  put_row_pairs_panels_of([&](int64_t i) { return rows + i * ld; }, n_rows, n_cols, n_cols, dst);
 }
 
 // The transpose of bf16 rows [0, n_rows) x [0, n_cols) (row stride ld; n_rows a multiple of 16,

@@ -81,6 +81,12 @@ enum class Scratch : int {
   kDecRowSumParts,
   kDecAccParts,
   kDecMerged,          // one row merged from its splits
+  kDecQBf16,           // bf16 instructions: Q's rows, Q^T as pair words, S^T, a staged key
+  kDecQPairs,          // group, V as pair words, P rounded to bf16
+  kDecScoresT,
+  kDecKStage,
+  kDecVPairs,
+  kDecPBf16,
 
   // packed K / V blocks (attention_common.h, Packed and pack_kv_block)
   kPackKt,
