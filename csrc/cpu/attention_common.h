@@ -393,23 +393,28 @@ inline void put_mr_panel(const A* rows, int64_t ld, int64_t K, A* dst) {
     for (int64_t r = 0; r < MR; ++r) dst[k * MR + r] = rows[r * ld + k];
 }
 
-// Writes rows [0, n_rows) of `rows` (row stride ld, columns [0, n_cols)) transposed into
-// panel-major K^T / V^T layout: element (c, r) at (r / NR) * n_cols * NR + c * NR + r % NR.
-// n_rows is a multiple of NR. 8 x 8 register transposes (fp32 AVX2/AVX-512; other types take
-// ATen's scalar transpose), a scalar tail for n_cols % 8: one contiguous 8-lane store per
-// column instead of 8 scalar stores 64 bytes apart. perf, forward loop at (4, 8, 512, 64):
-// pack_kv 4.3% -> 3.9% of the samples; the rest of it is reading K and V from memory.
-template <typename A>
-inline void put_rows_transposed_panels(const A* rows, int64_t ld, int64_t n_rows, int64_t n_cols, A* dst) {
+// Writes rows [0, n_rows) of a matrix (row r at row_of(r), columns [0, n_cols)) transposed
+// into panel-major K^T / V^T layout: element (c, r) at (r / NR) * n_cols * NR + c * NR + r % NR.
+// n_rows is a multiple of NR. 8 x 8 register transposes (fp32 AVX2/AVX-512; scalar for other
+// types), a scalar tail for n_cols % 8: one contiguous 8-lane store per column instead of 8
+// scalar stores 64 bytes apart. perf, forward loop at (4, 8, 512, 64): pack_kv 4.3% -> 3.9% of
+// the samples; the rest of it is reading K and V from memory.
+template <typename A, class RowOf>
+inline void put_rows_transposed_panels_of(const RowOf& row_of, int64_t n_rows, int64_t n_cols, A* dst) {
   constexpr int64_t NR = MicroShape<A>::kNR, kT = 8;
   static_assert(NR % kT == 0, "panels are whole 8 x 8 blocks wide");
   for (int64_t r0 = 0; r0 < n_rows; r0 += kT) {
-    const A* src = rows + r0 * ld;
+    const A* src[kT];
+    for (int64_t r = 0; r < kT; ++r) src[r] = row_of(r0 + r);
     A* panel = dst + (r0 / NR) * n_cols * NR + r0 % NR;
     int64_t c = 0;
-    for (; c + kT <= n_cols; c += kT) transpose_8x8<A>(src + c, ld, panel + c * NR, NR);
+    for (; c + kT <= n_cols; c += kT) {
+      const A* at_c[kT];
+      for (int64_t r = 0; r < kT; ++r) at_c[r] = src[r] + c;
+      transpose_8x8_rows<A>(at_c, panel + c * NR, NR);
+    }
     for (; c < n_cols; ++c)
-      for (int64_t r = 0; r < kT; ++r) panel[c * NR + r] = src[r * ld + c];
+      for (int64_t r = 0; r < kT; ++r) panel[c * NR + r] = src[r][c];
   }
 }
 
@@ -430,25 +435,50 @@ inline acc_t<T> squared_norm(const T* row, int64_t n) {
   return reduce_add(sum);
 }
 
-// Packs key block kb of kv head (b, h) into block `blk` of packed head `dst_head`, through
-// the block's rows converted to fp32 (and, for the pair-word layouts, copied as bf16) in the calling
-// thread's scratch.
+// Packs key block kb of kv head (b, h) into block `blk` of packed head `dst_head`. fp32 / fp64
+// inputs: the fp32 panels straight from the rows (kv_row: a view or a paged cache; a zero row
+// past the block's keys). Other inputs: through the block's rows converted to fp32 (and, for the
+// pair-word layouts, copied as bf16) in the calling thread's scratch. fp32 decoding step at B=1
+// q=1 32/8 heads D=128 cache 4096 on the 2-core AMX Xeon, staged copy vs straight: see
+// benchmarks/RESULTS.md (Decoding).
 template <typename T, typename A>
 void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t b, int64_t h,
                    int64_t kb, int64_t dst_head, int64_t blk) {
-  A* const k_rows = thread_scratch<A, Scratch::kPackKRows>(sh.Bk_pad * sh.D_pad);
-  A* const v_rows = thread_scratch<A, Scratch::kPackVRows>(sh.Bk_pad * sh.Dv_pad);
-  const bool k_fp32 = pk.kt || pk.kp, v_fp32 = pk.vt || pk.vp;
   // Only the block's score columns (Shape::block_cols): the panels of a short last block past
   // them are never read (its tile GEMMs stop there), so they are not written either.
   const int64_t k0 = kb * kBlockK, n_keys = sh.block_keys(kb), cols = sh.block_cols(n_keys);
-  // The block's largest |k_j|^2 (forward), from the rows as they are staged here (in cache).
+  // The block's largest |k_j|^2 (forward), from the rows as they are read here (in cache).
   // NaN keys are skipped: their scores are NaN whatever the shift.
-  const auto largest_norm2 = [&](const auto* rows, int64_t ld) {
+  const auto largest_norm2 = [&](const auto& key_row) {
     A largest = 0;
-    for (int64_t j = 0; j < n_keys; ++j) largest = std::max(largest, squared_norm(rows + j * ld, sh.D));
+    for (int64_t j = 0; j < n_keys; ++j) largest = std::max(largest, squared_norm(key_row(j), sh.D));
     pk.k_norm2[dst_head * pk.blocks + blk] = largest;
   };
+  if constexpr (std::is_same_v<T, A>) {
+    A* const zeros = thread_scratch<A, Scratch::kPackZeroRow>(std::max(sh.D_pad, sh.Dv_pad));
+    std::fill(zeros, zeros + std::max(sh.D_pad, sh.Dv_pad), A(0));
+    const auto key = [&](int64_t j) -> const A* { return j < n_keys ? kv_row<T>(a, a.k, b, h, k0 + j) : zeros; };
+    const auto value = [&](int64_t j) -> const A* { return j < n_keys ? kv_row<T>(a, a.v, b, h, k0 + j) : zeros; };
+    if (pk.k_norm2) largest_norm2(key);
+    if (pk.kt) put_rows_transposed_panels_of(key, cols, sh.D, pk.kt_block(dst_head, blk));
+    if (pk.vt) put_rows_transposed_panels_of(value, cols, sh.Dv, pk.vt_block(dst_head, blk));
+    if (pk.vp || pk.kp) {  // column panels read whole NR-wide rows: rows off that width are padded
+      A* const padded = thread_scratch<A, Scratch::kPackPaddedRow>(std::max(sh.D_pad, sh.Dv_pad));
+      const auto whole = [&](const A* row, int64_t n, int64_t n_pad) {
+        if (n == n_pad) return row;
+        load_row(row, n, n_pad, padded);
+        return static_cast<const A*>(padded);
+      };
+      for (int64_t j = 0; j < cols; ++j) {
+        if (pk.vp) put_row_panels(pk.vp_block(dst_head, blk), sh.Bk_pad, j, whole(value(j), sh.Dv, sh.Dv_pad), sh.Dv_pad);
+        if (pk.kp) put_row_panels(pk.kp_block(dst_head, blk), sh.Bk_pad, j, whole(key(j), sh.D, sh.D_pad), sh.D_pad);
+      }
+    }
+    return;
+  }
+  A* const k_rows = thread_scratch<A, Scratch::kPackKRows>(sh.Bk_pad * sh.D_pad);
+  A* const v_rows = thread_scratch<A, Scratch::kPackVRows>(sh.Bk_pad * sh.Dv_pad);
+  const bool k_fp32 = pk.kt || pk.kp, v_fp32 = pk.vt || pk.vp;
   if (pk.k_norm2) pk.k_norm2[dst_head * pk.blocks + blk] = std::numeric_limits<A>::infinity();  // (until computed)
   for (int64_t j = 0; j < cols; ++j) {
     A* k_row = k_rows + j * sh.D_pad;
@@ -474,7 +504,7 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t
     };
     if (pk.kw || pk.kpw) {
       const c10::BFloat16* k_bf16 = stage(a.k, sh.D, sh.D_bf16);  // (zero rows for keys no query sees)
-      if (pk.k_norm2) largest_norm2(k_bf16, sh.D_bf16);
+      if (pk.k_norm2) largest_norm2([&](int64_t j) { return k_bf16 + j * sh.D_bf16; });
       if (pk.kw) put_rows_pair_panels(k_bf16, sh.D_bf16, cols, sh.D_bf16, pk.kw_block(dst_head, blk));
       if (pk.kpw) put_row_pairs_panels(k_bf16, sh.D_bf16, cols, sh.D_bf16, pk.kpw_block(dst_head, blk));
     }
@@ -484,9 +514,10 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t
       if (pk.vpw) put_row_pairs_panels(v_bf16, sh.Dv_bf16, cols, sh.Dv_bf16, pk.vpw_block(dst_head, blk));
     }
   }
-  if (pk.k_norm2 && k_fp32) largest_norm2(k_rows, sh.D_pad);
-  if (pk.kt) put_rows_transposed_panels(k_rows, sh.D_pad, cols, sh.D, pk.kt_block(dst_head, blk));
-  if (pk.vt) put_rows_transposed_panels(v_rows, sh.Dv_pad, cols, sh.Dv, pk.vt_block(dst_head, blk));
+  const auto staged = [](const A* rows, int64_t ld) { return [=](int64_t j) { return rows + j * ld; }; };
+  if (pk.k_norm2 && k_fp32) largest_norm2(staged(k_rows, sh.D_pad));
+  if (pk.kt) put_rows_transposed_panels_of(staged(k_rows, sh.D_pad), cols, sh.D, pk.kt_block(dst_head, blk));
+  if (pk.vt) put_rows_transposed_panels_of(staged(v_rows, sh.Dv_pad), cols, sh.Dv, pk.vt_block(dst_head, blk));
   for (int64_t j = 0; j < cols; ++j) {
     if (pk.vp) put_row_panels(pk.vp_block(dst_head, blk), sh.Bk_pad, j, v_rows + j * sh.Dv_pad, sh.Dv_pad);
     if (pk.kp) put_row_panels(pk.kp_block(dst_head, blk), sh.Bk_pad, j, k_rows + j * sh.D_pad, sh.D_pad);

@@ -101,6 +101,8 @@ enum class Scratch : int {
   kPackKRows,          // a key block's rows in fp32, staged
   kPackVRows,
   kPackBf16Rows,       // bf16 GEMMs: a key block's bf16 rows, staged
+  kPackZeroRow,        // fp32 / fp64 inputs read in place: a zero row past the block's keys,
+  kPackPaddedRow,      // a row zero padded to the panels' width
 
   // packed GEMM (gemm_packed.h) and the FFN (ffn.cpp)
   kGemmAPack,

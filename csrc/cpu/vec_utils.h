@@ -195,16 +195,17 @@ inline void transpose_4x8_halves(const __m256 rows[4], __m256 cols[4]) {
 }
 #endif
 
-// dst[c * ld_dst + r] = src[r * ld_src + c] for an 8 x 8 block. fp32 at the AVX2 and AVX-512
-// levels: 8 ymm loads, 24 in-register shuffles, 8 stores. ATen's transpose_mxn<float, 8, 8> at
-// its AVX-512 level runs its masked 16 x 16 kernel for an 8 x 8 block: perf, fp32 attention
-// (8, 12, 128, 64) forward, one thread: 10% of the samples in it, packing K^T.
+// dst[c * ld_dst + r] = rows[r][c] for an 8 x 8 block, row r at rows[r] (any addresses). fp32
+// at the AVX2 and AVX-512 levels: 8 ymm loads, 24 in-register shuffles, 8 stores. ATen's
+// transpose_mxn<float, 8, 8> at its AVX-512 level runs its masked 16 x 16 kernel for an 8 x 8
+// block: perf, fp32 attention (8, 12, 128, 64) forward, one thread: 10% of the samples in it,
+// packing K^T.
 template <typename A>
-inline void transpose_8x8(const A* src, int64_t ld_src, A* dst, int64_t ld_dst) {
+inline void transpose_8x8_rows(const A* const rows[8], A* dst, int64_t ld_dst) {
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<A, float>) {
     __m256 r[8], s[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld_src);
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i]);
     transpose_4x8_halves(r, s);          // rows 0..3 of columns (c, c + 4)
     transpose_4x8_halves(r + 4, s + 4);  // rows 4..7
     for (int i = 0; i < 4; ++i) {  // column i from the low halves, column i + 4 from the high
@@ -212,6 +213,20 @@ inline void transpose_8x8(const A* src, int64_t ld_src, A* dst, int64_t ld_dst) 
       _mm256_storeu_ps(dst + (i + 4) * ld_dst, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
     }
     return;
+  }
+#endif
+  for (int c = 0; c < 8; ++c)
+    for (int r = 0; r < 8; ++r) dst[c * ld_dst + r] = rows[r][c];
+}
+
+// transpose_8x8_rows for rows at a stride: dst[c * ld_dst + r] = src[r * ld_src + c].
+template <typename A>
+inline void transpose_8x8(const A* src, int64_t ld_src, A* dst, int64_t ld_dst) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<A, float>) {
+    const A* rows[8];
+    for (int i = 0; i < 8; ++i) rows[i] = src + i * ld_src;
+    return transpose_8x8_rows(rows, dst, ld_dst);
   }
 #endif
   at::vec::transpose_mxn<A, 8, 8>(src, ld_src, dst, ld_dst);
