@@ -12,6 +12,7 @@ tolerance. Exit status 1 if an error is over its tolerance.
     fastformer-bench                                  # representative cases, fp32 and bf16
     fastformer-bench --full --op attention --dtype bf16
     fastformer-bench --full --op attention --match softcap     # the cases with 'softcap' in their name
+    fastformer-bench --full --op attention --match window T5   # with either in their name
     fastformer-bench --json run.json --plot speedup.png
     fastformer-bench --compare before.json after.json
 
@@ -96,9 +97,10 @@ def run(args) -> tuple:
     print(f"# measured peaks: {report.format_peaks(peaks)}")
     jobs = [(suite, mod, case) for suite, mod in modules.items()
             for case in mod.cases(device, dtypes, quick=not args.full)
-            if args.match in _case_label(mod, case)]
+            if not args.match or any(text in _case_label(mod, case) for text in args.match)]
     if not jobs:
-        raise SystemExit(f"fastformer-bench: no case of {', '.join(args.op)} has {args.match!r} in its name "
+        wanted = " or ".join(repr(text) for text in args.match)
+        raise SystemExit(f"fastformer-bench: no case of {', '.join(args.op)} has {wanted} in its name "
                          f"({'every case' if args.full else 'representative cases; --full has more'})")
     print(f"# {len(jobs)} cases ({'every case: --full' if args.full else 'representative cases; --full runs all'})"
           + (f"; torch.compile baselines left out of {', '.join(skipped_compile)} (--full runs them)"
@@ -166,9 +168,9 @@ def main(argv=None) -> int:
     p.add_argument("--full", action="store_true", help="every case of each suite, not the representative ones")
     p.add_argument("--quick", action="store_true", help="the default (representative cases); kept as an alias")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
-    p.add_argument("--match", metavar="TEXT", default="",
+    p.add_argument("--match", metavar="TEXT", nargs="+", default=[],
                    help="only the cases whose name (as the tables print it, dtype and mode included) "
-                        "contains TEXT, e.g. 'softcap' or 'Llama'")
+                        "contains one of the TEXTs, e.g. 'softcap' or 'Llama'")
     p.add_argument("--json", metavar="PATH", help="write the rows, machine, versions and round figures")
     p.add_argument("--plot", metavar="PATH", help="write a speedup plot (needs matplotlib: pip install '.[bench]')")
     p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),

@@ -89,6 +89,12 @@ def test_match_runs_only_the_cases_whose_name_contains_it(fake_bench, capsys):
     assert "1/1 pass" in out and "8.00x eager" in out
     with pytest.raises(SystemExit, match="no case of fake has 'nothing' in its name"):
         bench.main(["--op", "fake", "--dtype", "fp32", "--no-memory", "--match", "nothing"])
+    # several texts: the cases with any of them (the failing one among them: exit status 1)
+    assert bench.main(["--op", "fake", "--dtype", "fp32", "--no-memory", "--match", "faster", "wrong"]) == 1
+    out = capsys.readouterr().out
+    assert "1/2 pass" in out and "verdict: FAIL" in out
+    with pytest.raises(SystemExit, match="no case of fake has 'nothing' or 'none' in its name"):
+        bench.main(["--op", "fake", "--dtype", "fp32", "--no-memory", "--match", "nothing", "none"])
 
 
 def test_summary_logic_on_rows():
