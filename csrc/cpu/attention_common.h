@@ -322,6 +322,29 @@ inline void round_row_to_bf16(const A* src, int64_t n, c10::BFloat16* dst) {
   for (int64_t j = 0; j < n; ++j) dst[j] = c10::BFloat16(static_cast<float>(src[j]));
 }
 
+// n fp32 values (a multiple of the vector width) as hi + lo, both bf16: hi = round(x), lo =
+// round(x - hi) (x - hi is exact in fp32), x to ~16 significant bits instead of 8.
+template <typename A>
+inline void split_row_to_bf16(const A* src, int64_t n, c10::BFloat16* hi, c10::BFloat16* lo) {
+#ifdef FF_NATIVE_16BIT_CONVERT
+  if constexpr (std::is_same_v<A, float>) {
+    using V = Vectorized<float>;
+    for (int64_t j = 0; j < n; j += V::size()) {
+      const V x = V::loadu(src + j);
+      const auto x_hi = pack16<c10::BFloat16>(x);
+      storeu_packed(hi + j, x_hi);
+      storeu_packed(lo + j, pack16<c10::BFloat16>(x - unpack16<c10::BFloat16>(x_hi)));
+    }
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = static_cast<float>(src[j]);
+    hi[j] = c10::BFloat16(x);
+    lo[j] = c10::BFloat16(x - static_cast<float>(hi[j]));
+  }
+}
+
 // Rows row0 + [0, n_rows) of head (b, h) of bf16 view v, n values each, as rows n_bf16 wide
 // (zero padded) in dst: those in [valid_begin, valid_end) copied, the others zeros: the bf16
 // GEMMs' staging.

@@ -26,8 +26,8 @@
 //   - bf16 instructions (DecodeBf16Gemms; bf16 at the AVX-512 level with AMX-BF16 or
 //     AVX512-BF16, bf16_gemm.h): S^T = K_block Q^T with the cache's key rows as the A operand,
 //     read in place by the tile loads 16 keys at a time (no packing of K), and acc += P V with
-//     V's rows interleaved in pairs straight from the cache, P rounded to bf16 as in the
-//     forward's bf16 path (measured: see DecodeBf16Gemms).
+//     V's rows interleaved in pairs straight from the cache, P as the sum of two bf16 parts
+//     (measured: see DecodeBf16Gemms).
 #include <vector>
 
 #include "cpu/attention_common.h"
@@ -94,9 +94,13 @@ struct DecodeFp32Gemms {
 //     multiple of 32; a paged cache: inside one page), else copied zero padded into k_stage;
 //     B = Q^T as pair words (R rows padded to R16 = a multiple of 16). Then 8 x 8 transposes
 //     into the score tile's rows, which the row code reads as the fp32 path's.
-//   acc (+)= P V: P's rows rounded to bf16 (p_row), V's rows interleaved in pairs from the
-//     cache (put_row_pairs_panels_of), keys past the block's end and keys no query sees as
-//     zero rows (0 times a value no query may read must not reach acc).
+//   acc (+)= P_hi V + P_lo V: P's rows as hi + lo bf16 parts (p_row, split_row_to_bf16: P to
+//     ~16 bits, as the fp32 path's P V nearly; with P rounded to bf16 alone, as the forward's
+//     bf16 path rounds it, a converted bf16 BERT of 13 tokens -- decoded here -- read its key
+//     bias's gradient (exactly 0) at 3.3x eager bf16's error), V's rows interleaved in pairs
+//     from the cache (put_row_pairs_panels_of), keys past the block's end and keys no query sees
+//     as zero rows (0 times a value no query may read must not reach acc). The second GEMM
+//     costs tile work only: V's pair words are read from L1 / L2 again.
 // Reads each K and V row once from the cache and writes V's pair words (its own size) to the
 // thread's cache; the fp32 path converts both into fp32 panels (4 bytes written per value and
 // read back). B=1 q=1 32/8 heads D=128 cache 4096 bf16 (fastformer-bench --op decode, 2-core
@@ -115,7 +119,8 @@ struct DecodeBf16Gemms {
   A* const s_t;          // S^T: kBlockK x R16
   T* const k_stage;      // a group of 16 keys the tile loads cannot read in place
   uint32_t* const v_pairs;  // the block's V rows interleaved in pairs: Dv_bf16 / 16 panels
-  T* const p_bf16;       // R16 x kBlockK: P rounded to bf16, zero rows past R
+  T* const p_hi;         // R16 x kBlockK each: P = p_hi + p_lo, zero rows past R
+  T* const p_lo;
 
   DecodeBf16Gemms(const AttnArgs& args, const Shape<A>& shape, int64_t rows, Bf16Gemm gemm_kind)
       : a(args), sh(shape), kind(gemm_kind), R(rows), R16(round_up_to(rows, 16)),
@@ -124,7 +129,8 @@ struct DecodeBf16Gemms {
         s_t(thread_scratch<A, Scratch::kDecScoresT>(kBlockK * R16)),
         k_stage(thread_scratch<T, Scratch::kDecKStage>(16 * shape.D_bf16)),
         v_pairs(thread_scratch<uint32_t, Scratch::kDecVPairs>(kBlockK * shape.Dv_bf16 / 2)),
-        p_bf16(thread_scratch<T, Scratch::kDecPBf16>(R16 * kBlockK)) {
+        p_hi(thread_scratch<T, Scratch::kDecPHi>(R16 * kBlockK)),
+        p_lo(thread_scratch<T, Scratch::kDecPLo>(R16 * kBlockK)) {
     TORCH_INTERNAL_ASSERT(sh.Dv_bf16 == sh.Dv_pad, "bf16 P V tiles write acc rows Dv_pad wide");
   }
 
@@ -135,7 +141,8 @@ struct DecodeBf16Gemms {
       else std::fill(q_row, q_row + sh.D_bf16, T(0.0f));
     }
     put_rows_pair_panels(q_rows, sh.D_bf16, R16, sh.D_bf16, q_pairs);
-    std::fill(p_bf16 + R * kBlockK, p_bf16 + R16 * kBlockK, T(0.0f));
+    std::fill(p_hi + R * kBlockK, p_hi + R16 * kBlockK, T(0.0f));
+    std::fill(p_lo + R * kBlockK, p_lo + R16 * kBlockK, T(0.0f));
   }
 
   void scores(int64_t b, int64_t hkv, int64_t kb, int64_t n_keys, int64_t cols, A* s_tile) const {
@@ -166,7 +173,7 @@ struct DecodeBf16Gemms {
         transpose_8x8<A>(s_t + j * R16 + r0, R16, s_tile + r0 * kScoreLd + j, kScoreLd);
   }
 
-  void p_row(const A* p, int64_t r, int64_t cols) { round_row_to_bf16(p, cols, p_bf16 + r * kBlockK); }
+  void p_row(const A* p, int64_t r, int64_t cols) { split_row_to_bf16(p, cols, p_hi + r * kBlockK, p_lo + r * kBlockK); }
 
   void pv(int64_t b, int64_t hkv, int64_t kb, int64_t n_keys, int64_t cols, const A*, A* acc, bool accumulate) const {
     const int64_t k0 = kb * kBlockK;
@@ -175,7 +182,8 @@ struct DecodeBf16Gemms {
       return j >= seen_begin && j < seen_end ? kv_row<T>(a, a.v, b, hkv, k0 + j) : nullptr;
     };
     put_row_pairs_panels_of(value_row, cols, sh.Dv, sh.Dv_bf16, v_pairs);
-    bf16_tile_gemm(kind, R, sh.Dv_bf16, cols, p_bf16, kBlockK, v_pairs, acc, sh.Dv_pad, accumulate, Band{});
+    bf16_tile_gemm(kind, R, sh.Dv_bf16, cols, p_hi, kBlockK, v_pairs, acc, sh.Dv_pad, accumulate, Band{});
+    bf16_tile_gemm(kind, R, sh.Dv_bf16, cols, p_lo, kBlockK, v_pairs, acc, sh.Dv_pad, true, Band{});
   }
 };
 #endif

@@ -82,11 +82,12 @@ enum class Scratch : int {
   kDecAccParts,
   kDecMerged,          // one row merged from its splits
   kDecQBf16,           // bf16 instructions: Q's rows, Q^T as pair words, S^T, a staged key
-  kDecQPairs,          // group, V as pair words, P rounded to bf16
+  kDecQPairs,          // group, V as pair words, P's bf16 parts
   kDecScoresT,
   kDecKStage,
   kDecVPairs,
-  kDecPBf16,
+  kDecPHi,
+  kDecPLo,
 
   // packed K / V blocks (attention_common.h, Packed and pack_kv_block)
   kPackKt,
