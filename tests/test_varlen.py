@@ -313,6 +313,31 @@ def test_bf16_decode_reads_the_cache_in_place(gemm, D, block_size, window):
     check("out", out, ref, low)
 
 
+# Decode calls of at most 4 query rows per kv head (G * Lq) run the fp32 GEMMs on a narrow
+# micro-tile (attention_decode.cpp, DecodeFp32Gemms; gemm.h, kNarrowMR), more rows the full one:
+# MHA, GQA 2 and 4, several new tokens, 5 rows; fp32, fp64 and fp16 (the fp32 path), a padding
+# mask and several key blocks, at every CPU level, with the lse.
+@pytest.mark.parametrize("dtype", [F32, F64, F16], ids=str)
+@pytest.mark.parametrize("G, Lq", [(1, 1), (2, 2), (4, 1), (5, 1), (1, 3)])
+def test_decode_narrow_rows_every_level(capability_levels, dtype, G, Lq):
+    B, Hkv, D, Lk = 2, 2, 72, 500
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (_randn(g, B, n, L, D, dtype=dtype) for n, L in ((Hkv * G, Lq), (Hkv, Lk), (Hkv, Lk)))
+    pad = torch.rand(B, Lk, generator=g) < 0.2
+    ref, ref_lse = oracle_attention(q.double(), k.double(), v.double(), causal="bottom_right",
+                                    key_padding_mask=pad, return_lse=True)
+    low = oracle_attention(q, k, v, causal="bottom_right", key_padding_mask=pad) if dtype == F16 else None
+    try:
+        for level in capability_levels:
+            ff._ext.set_cpu_capability(level)
+            with ff.use_backend("cpu"):
+                out, lse = ff.attention(q, k, v, causal="bottom_right", key_padding_mask=pad, return_lse=True)
+            check("out", out, ref.to(dtype) if dtype != F16 else ref, low, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lse.double(), ref_lse, atol=1e-4 if dtype == F16 else 1e-5, rtol=1e-5)
+    finally:
+        ff._ext.set_cpu_capability(capability_levels[-1])
+
+
 def test_decode_splits_keys_deterministically():
     """Batch 1, one kv head: the decode kernel splits the keys across tasks and merges them; the
     result does not depend on the thread count and matches the flash forward's."""

@@ -42,7 +42,10 @@ using namespace attn;
 constexpr int64_t kBlocksPerSplit = 4;  // 768 keys
 
 // A task's GEMMs on the fp32 micro-kernel: Q's R rows in MR-row panels, each key block packed
-// into fp32 K^T / V panels in the thread's cache.
+// into fp32 K^T / V panels in the thread's cache. At most kNarrowMR rows (a GQA group of 4 or
+// fewer decoding one token, MHA's single row) run the narrow micro-tile from Q's rows as they
+// are: the full one computes 12 rows whatever R is. fp32 (1, 16/4 heads, 1, 64) against 2100
+// keys, one thread: see narrow below.
 template <typename T>
 struct DecodeFp32Gemms {
   using A = acc_t<T>;
@@ -51,12 +54,13 @@ struct DecodeFp32Gemms {
   const AttnArgs& a;
   const Shape<A>& sh;
   const int64_t R;
-  A* const q_rows;    // one panel's rows, staged
+  const bool narrow;  // R <= kNarrowMR: the narrow micro-tile over q_rows
+  A* const q_rows;    // one panel's rows, staged (narrow: Q's rows, zero rows up to kNarrowMR)
   A* const q_packed;  // MR-row panels
   Packed<A> pk;
 
   DecodeFp32Gemms(const AttnArgs& args, const Shape<A>& shape, int64_t rows, Bf16Gemm)
-      : a(args), sh(shape), R(rows),
+      : a(args), sh(shape), R(rows), narrow(rows <= kNarrowMR),
         q_rows(thread_scratch<A, Scratch::kDecQStage>(MR * shape.D_pad)),
         q_packed(thread_scratch<A, Scratch::kDecQPanels>(round_up_to(rows, MR) * shape.D)),
         pk(shape, 1, 1, /*backward=*/false, /*pairs=*/false) {
@@ -65,6 +69,7 @@ struct DecodeFp32Gemms {
 
   // Row r = g * Lq + i is query i of head hkv * G + g.
   void load_q(int64_t b, int64_t hkv) {
+    static_assert(kNarrowMR <= MR, "q_rows holds the narrow tile's rows");
     for (int64_t p0 = 0; p0 < R; p0 += MR) {
       for (int64_t r = 0; r < MR; ++r) {
         A* q_row = q_rows + r * sh.D_pad;
@@ -72,16 +77,26 @@ struct DecodeFp32Gemms {
         if (row < R) load_row(row_ptr<T>(a.q, b, hkv * sh.G + row / a.Lq, row % a.Lq), sh.D, sh.D_pad, q_row);
         else std::fill(q_row, q_row + sh.D_pad, A(0));
       }
-      put_mr_panel(q_rows, sh.D_pad, sh.D, q_packed + p0 * sh.D);
+      if (!narrow) put_mr_panel(q_rows, sh.D_pad, sh.D, q_packed + p0 * sh.D);
     }
   }
   void scores(int64_t b, int64_t hkv, int64_t kb, int64_t, int64_t cols, A* s_tile) {
     pack_kv_block<T, A>(a, sh, pk, b, hkv, kb, 0, 0);
+    if (narrow) {
+      tile_gemm<A, 0, 1, kNarrowMR>(R, cols, sh.D, q_rows, sh.D_pad, 1, pk.kt_block(0, 0), NR, sh.D * NR, s_tile,
+                                    kScoreLd, false, Band{});
+      return;
+    }
     tile_gemm<A, 1, MR>(R, cols, sh.D, q_packed, 1, MR, pk.kt_block(0, 0), NR, sh.D * NR, s_tile, kScoreLd, false,
                         Band{}, sh.D * MR);
   }
   void p_row(const A*, int64_t, int64_t) {}  // P is read from the score tile itself
   void pv(int64_t, int64_t, int64_t, int64_t n_keys, int64_t, const A* s_tile, A* acc, bool accumulate) const {
+    if (narrow) {
+      tile_gemm<A, kScoreLd, 1, kNarrowMR>(R, sh.Dv, n_keys, s_tile, kScoreLd, 1, pk.vp_block(0, 0), NR,
+                                           sh.Bk_pad * NR, acc, sh.Dv_pad, accumulate, Band{});
+      return;
+    }
     tile_gemm<A, kScoreLd, 1>(R, sh.Dv, n_keys, s_tile, kScoreLd, 1, pk.vp_block(0, 0), NR, sh.Bk_pad * NR, acc,
                               sh.Dv_pad, accumulate, Band{});
   }

@@ -36,6 +36,10 @@ struct MicroShape {
   static constexpr int kNR = kNV * Vectorized<A>::size();         // columns of the micro-tile
 };
 
+// Rows of the narrow micro-tile (micro_kernel's MR for GEMMs of at most this many rows): 4 rows
+// x NV vectors is 8 accumulators, as many as two FMA ports with a 4-cycle latency keep busy.
+constexpr int kNarrowMR = 4;
+
 // Rows any A operand may be read beyond its last valid row (the micro-kernel reads MR rows).
 constexpr int64_t kRowSlack = 16;
 
@@ -44,15 +48,15 @@ inline int64_t round_up_to(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 // kARow / kACol, when not 0, are a_row / a_col known at compile time (the runtime values must
 // equal them): A's MR row addresses are then constant offsets from one pointer. With a runtime
 // row stride the AVX-512 kernel (MR = 12) keeps row addresses in general registers and spills
-// them.
-template <typename A, int64_t kARow = 0, int64_t kACol = 0>
+// them. MR: the rows of the micro-tile, MicroShape's by default; a GEMM of fewer rows (a decode
+// step's G * Lq query rows) takes kNarrowMR instead of computing 12 rows for 1-4.
+template <typename A, int64_t kARow = 0, int64_t kACol = 0, int MR = MicroShape<A>::kMR>
 inline void micro_kernel(int64_t K, const A* __restrict a, int64_t a_row_arg, int64_t a_col_arg,
                          const A* __restrict b, int64_t ldb, A* __restrict c, int64_t ldc,
                          int64_t m, int64_t n, bool accumulate) {
   const int64_t a_row = kARow != 0 ? kARow : a_row_arg;
   const int64_t a_col = kACol != 0 ? kACol : a_col_arg;
   using V = Vectorized<A>;
-  constexpr int MR = MicroShape<A>::kMR;
   constexpr int NV = MicroShape<A>::kNV;
   constexpr int64_t kV = V::size();
   // Accumulating tiles (dK, dV blocks of 64 KB at D = 128, dQ rows) sit in L2: fetch their
@@ -137,11 +141,10 @@ struct Band {
 // of MR); B needs full NR-wide panels. a_panel != 0: A is packed in MR-row panels, micro-row
 // i starting at a + (i / MR) * a_panel (with a_row = 1, a_col = MR the MR values of one k are
 // contiguous, see put_row_mr_panels in attention_common.h); 0: micro-row i at a + i * a_row.
-template <typename A, int64_t kARow = 0, int64_t kACol = 0>
+template <typename A, int64_t kARow = 0, int64_t kACol = 0, int MR = MicroShape<A>::kMR>
 inline void tile_gemm(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_row, int64_t a_col,
                       const A* b, int64_t ldb, int64_t b_panel, A* c, int64_t ldc, bool accumulate,
                       Band band = {}, int64_t a_panel = 0) {
-  constexpr int MR = MicroShape<A>::kMR;
   constexpr int NR = MicroShape<A>::kNR;
   TORCH_INTERNAL_ASSERT_DEBUG_ONLY((kARow == 0 || a_row == kARow) && (kACol == 0 || a_col == kACol));
   for (int64_t j = 0; j < N; j += NR) {
@@ -163,7 +166,7 @@ inline void tile_gemm(int64_t M, int64_t N, int64_t K, const A* a, int64_t a_row
       }
       k_hi = std::max(k_hi, k_lo);  // no inner index: C = 0, or C unchanged when accumulating
       const A* a_i = a_panel ? a + (i / MR) * a_panel : a + i * a_row;
-      micro_kernel<A, kARow, kACol>(k_hi - k_lo, a_i + k_lo * a_col, a_row, a_col, b_j + k_lo * ldb, ldb,
+      micro_kernel<A, kARow, kACol, MR>(k_hi - k_lo, a_i + k_lo * a_col, a_row, a_col, b_j + k_lo * ldb, ldb,
                       c + i * ldc + j, ldc, std::min<int64_t>(MR, M - i), n, accumulate);
     }
   }
