@@ -43,8 +43,9 @@ constexpr int64_t kScoreLd = kBlockK + kRowSlack;
 // the vector reads of a block's padding columns (< one NR of them, plus one vector).
 constexpr int64_t kRelSlack = 64;
 
-// The forward's choice of tasks (attention_fwd.cpp): whole heads that pack their own K/V when
-// a head's packed K/V take at most kPackInTaskBytes and there are at least kHeadTasksPerThread
+// The forward's choice of tasks (attention_fwd.cpp): whole heads that pack their own K/V as
+// their query blocks reach it when the key blocks one query block sees (a window's band, else
+// the head's) take at most kPackInTaskBytes packed and there are at least kHeadTasksPerThread
 // heads per thread; else query blocks sharing K/V packed up front.
 constexpr int64_t kPackInTaskBytes = 1 << 20;
 constexpr int64_t kHeadTasksPerThread = 4;

@@ -317,6 +317,19 @@ inline A exp2_row(A* s, int64_t n_pad, A shift, A mul = A(1)) {
   return reduce_add(sum);
 }
 
+// exp2_row (mul = 1) of a row whose scores are -inf outside [lo, hi) (score_row on a tile an
+// edge cuts: a causal diagonal's or a window's): the vectors wholly outside are zeroed without
+// an exp. The same P and sum bit for bit (the vectors kept sit in the same lanes, and adding a
+// zero vector leaves the sum as it is). Measured in attention_fwd.cpp's query_block.
+template <typename A>
+inline A exp2_row_band(A* s, int64_t n_pad, int64_t lo, int64_t hi, A shift) {
+  constexpr int64_t kV = Vectorized<A>::size();
+  const int64_t j_lo = std::min(n_pad, lo / kV * kV), j_hi = std::clamp<int64_t>(round_up_to(hi, kV), j_lo, n_pad);
+  std::fill(s, s + j_lo, A(0));
+  std::fill(s + j_hi, s + n_pad, A(0));
+  return j_hi > j_lo ? exp2_row(s + j_lo, j_hi - j_lo, shift) : A(0);
+}
+
 // Maximum of a row of n_pad values (a multiple of the vector width).
 template <typename A>
 inline A row_max_of(const A* s, int64_t n_pad) {
