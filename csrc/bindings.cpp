@@ -279,6 +279,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("ffn_down_fwd", &cb::ffn_down_fwd, "(act(gate) [* up]) w2^T + b2 on the packed GEMM");
   m.def("ffn_down_bwd", &cb::ffn_down_bwd, "{d_gate, d_up, dw2, db2} of ffn_down_fwd");
   m.def("linear_rows", &cb::linear_rows, py::arg("x"), py::arg("weight"), py::arg("bias"));
+  m.def("weight_grad", &cb::weight_grad, "P^T Q (or its transpose), bf16 on AMX: weight gradients",
+        py::arg("p"), py::arg("q"), py::arg("transpose_c"), py::arg("out_dtype"));
   m.def("ffn_act_fwd", &cb::ffn_act_fwd, py::arg("gate"), py::arg("up"), py::arg("activation"),
         py::arg("over_gate") = false);
   m.def("ffn_act_bwd", &cb::ffn_act_bwd, py::arg("dh"), py::arg("gate"), py::arg("up"),

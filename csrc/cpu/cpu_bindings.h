@@ -858,6 +858,49 @@ inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<
   return wt == at::kFloat ? y : y.to(wt);
 }
 
+// ---- weight gradient (AMX) -------------------------------------------------------------------
+// weight_grad(p (k, m), q (k, n), transpose_c, out_dtype) -> C = P^T Q as (m, n), or C^T as (n, m)
+// when transpose_c, in out_dtype (bf16 or f32): csrc/cpu/weight_grad.cpp. bf16 on AMX only: the
+// caller asks use_amx_bf16() first.
+inline Tensor weight_grad(const Tensor& p, const Tensor& q, bool transpose_c, at::ScalarType out_dtype) {
+  check_cpu(p, "weight_grad");
+  check_cpu(q, "weight_grad");
+  const auto rows_ok = [](const Tensor& t) {
+    return t.dim() == 2 && t.scalar_type() == at::kBFloat16 && (t.stride(1) == 1 || t.size(1) <= 1);
+  };
+  TORCH_CHECK(rows_ok(p) && rows_ok(q) && p.size(0) == q.size(0),
+              "fastformer._C.weight_grad: p (k, m) and q (k, n) must be bf16 matrices with the same "
+              "rows and contiguous rows, got ", p.sizes(), " ", p.scalar_type(), " and ", q.sizes(),
+              " ", q.scalar_type());
+  TORCH_CHECK(out_dtype == at::kBFloat16 || out_dtype == at::kFloat,
+              "fastformer._C.weight_grad: out_dtype must be bfloat16 or float32, got ", out_dtype);
+  const int64_t k = p.size(0), m = p.size(1), n = q.size(1);
+  Tensor c = transpose_c ? at::empty({n, m}, p.options().dtype(out_dtype))
+                         : at::empty({m, n}, p.options().dtype(out_dtype));
+  if (m == 0 || n == 0) return c;
+  if (k == 0) return c.zero_();
+  const cpu::WeightGradLayout layout(k, m, n);
+  Tensor workspace = at::empty({layout.bytes}, p.options().dtype(at::kByte));
+  cpu::WeightGradArgs a;
+  a.k = k;
+  a.m = m;
+  a.n = n;
+  a.p = p.data_ptr();
+  a.ld_p = p.stride(0);
+  a.q = q.data_ptr();
+  a.ld_q = q.stride(0);
+  a.out_dtype = out_dtype == at::kFloat ? DType::f32 : DType::bf16;
+  a.c = c.data_ptr();
+  a.ld_c = c.stride(0);
+  a.transpose_c = transpose_c;
+  a.workspace = workspace.data_ptr();
+  {
+    KernelGilRelease no_gil;
+    cpu::kernels().weight_grad(a);
+  }
+  return c;
+}
+
 // ---- linear cross-entropy -------------------------------------------------------------------
 // The row pass over one chunk of logits (the chunk loop and its GEMMs run in
 // fastformer/reference/linear_cross_entropy.py): loss and lse per row (compute_loss), and / or

@@ -7,6 +7,8 @@
 #pragma once
 #include <stdint.h>
 
+#include <algorithm>
+
 #include "common/ff_common.h"
 
 namespace fastformer::cpu {
@@ -241,6 +243,40 @@ struct LinearRowsArgs {
   float* y = nullptr;                // (rows, out) contiguous
 };
 
+// Weight gradient of a linear layer in bf16 on AMX (csrc/cpu/weight_grad.cpp): C (m x n) = P^T Q
+// with P (k x m) and Q (k x n) bf16, one row per token.
+struct WeightGradArgs {
+  int64_t k = 0, m = 0, n = 0;       // tokens, rows of C, columns of C
+  const void* p = nullptr;           // (k, m) bf16, row stride ld_p, column stride 1
+  int64_t ld_p = 0;
+  const void* q = nullptr;           // (k, n) bf16, row stride ld_q, column stride 1
+  int64_t ld_q = 0;
+  DType out_dtype;                   // bf16 or f32
+  void* c = nullptr;                 // C (i, j) at c + i * ld_c + j; transpose_c: at c + j * ld_c + i
+  int64_t ld_c = 0;
+  bool transpose_c = false;
+  void* workspace = nullptr;         // WeightGradLayout(k, m, n).bytes, 64-byte aligned
+};
+
+constexpr int64_t kWeightGradBlockM = 256;   // columns of P packed at a time (rows of C)
+constexpr int64_t kWeightGradBlockK = 2048;  // rows of P and Q per pass (a 1 MB A block)
+
+// The workspace of weight_grad: Q packed whole, one A block, the partial sums of one block of
+// C's rows when K spans more than one pass (offsets 64-byte aligned).
+struct WeightGradLayout {
+  int64_t kp, np, q_offset, a_offset, partial_offset, bytes;
+  WeightGradLayout(int64_t k, int64_t m, int64_t n) {
+    (void)m;
+    const auto up = [](int64_t v, int64_t to) { return (v + to - 1) / to * to; };
+    kp = up(k, 32);
+    np = up(n, 32);
+    q_offset = 0;
+    a_offset = up(np * kp * 2, 64);
+    partial_offset = a_offset + up(kWeightGradBlockM * std::min(kp, kWeightGradBlockK) * 2, 64);
+    bytes = partial_offset + (kp > kWeightGradBlockK ? kWeightGradBlockM * np * 4 : 0);
+  }
+};
+
 // ---- linear cross-entropy ------------------------------------------------------------------
 // The row pass over one chunk of logits of ff.linear_cross_entropy (the chunk loop and its GEMMs:
 // fastformer/reference/linear_cross_entropy.py; the kernels: csrc/cpu/linear_cross_entropy.cpp).
@@ -282,6 +318,7 @@ struct PairAddArgs {
   X(ffn_bwd, FfnArgs)              \
   X(ffn_act, FfnActArgs)           \
   X(linear_rows, LinearRowsArgs)   \
+  X(weight_grad, WeightGradArgs)   \
   X(rotary, RotaryArgs)            \
   X(lce_rows, LceRowsArgs)         \
   X(lce_pair_add, PairAddArgs)

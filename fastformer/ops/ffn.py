@@ -6,7 +6,8 @@ One call, top to bottom:
                                                                   Function or custom ops)
     -> backends.select(Call("ffn", ...))                           the first Impl below
     -> cuda.cublas (cuBLAS + csrc/cuda/ffn_epilogue.cu) | ops/ffn_triton.py
-       (triton_kernels/ffn.py) | cpu.onednn (torch's oneDNN GEMMs, bf16 on AMX) |
+       (triton_kernels/ffn.py) | cpu.onednn (torch's oneDNN GEMMs, bf16 on AMX; bf16 weight
+       gradients on AMX: ops/linear.py) |
        _C.ffn_fwd (cpu: csrc/cpu/ffn.cpp) | reference/ffn.py
 
 The gated variant is the same op with ``w_up`` given (w1/b1 = gate, w2/b2 = down). Saved for
@@ -29,7 +30,7 @@ from ..backends import EVERY_OPTION, GPU_FLOAT, Impl
 from ..reference import ffn as ref
 from ..reference.ffn import ACTIVATIONS
 from ..reference.rng import draw_rng_state
-from .linear import rows_kernel_takes, rows_linear
+from .linear import linear, rows_kernel_takes, rows_linear, weight_grad
 from ._opdef import OpDef, Options, compiled, needs_grad, options, rowwise
 
 _ACT_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
@@ -163,8 +164,8 @@ class _VendorGemm(Impl):
         353-354, eager 362-363. The custom-op route (tracing, torch.compile) keeps the one node of
         fwd() / bwd(): the compiler plans the saved tensors' lifetimes there."""
         x2 = x.reshape(-1, x.shape[-1])
-        pre = F.linear(x2, w1, b1)
-        up = None if w_up is None else F.linear(x2, w_up, b_up)
+        pre = linear(x2, w1, b1)
+        up = None if w_up is None else linear(x2, w_up, b_up)
         return (_ActDown.apply(self, o, pre, up, w2, b2).reshape(x.shape),)
 
     def down_fwd(self, pre, up, w2, b2, o):
@@ -184,7 +185,7 @@ class _VendorGemm(Impl):
             del dh
         elif need_w2:
             h = self.hidden(pre, up, act, False)
-        return d_pre, d_up, dy.t() @ h if need_w2 else None, dy.sum(0) if need_b2 else None
+        return d_pre, d_up, weight_grad(dy, h) if need_w2 else None, dy.sum(0) if need_b2 else None
 
     def bwd(self, grads, saved, o, needs):
         x, w1, w2, w_up, pre = saved
@@ -205,7 +206,7 @@ class _VendorGemm(Impl):
         else:
             d_pre, d_up, h = self.gated_bwd(dh, pre[:, :F_], pre[:, F_:], act, need_h)
         del dh
-        dw2 = dy2.t() @ h if need_h else None
+        dw2 = weight_grad(dy2, h) if need_h else None
         del h
         dx = None
         if needs[0]:
@@ -213,10 +214,10 @@ class _VendorGemm(Impl):
             if d_up is not None:
                 dx = dx.addmm_(d_up, w_up)
             dx = dx.reshape(x.shape)
-        dw1 = d_pre.t() @ x2 if needs[1] else None
+        dw1 = weight_grad(d_pre, x2) if needs[1] else None
         db1 = d_pre.sum(0) if needs[2] else None
         del d_pre
-        dw_up = d_up.t() @ x2 if d_up is not None and needs[5] else None
+        dw_up = weight_grad(d_up, x2) if d_up is not None and needs[5] else None
         db_up = d_up.sum(0) if d_up is not None and needs[6] else None
         return dx, dw1, db1, dw2, dy2.sum(0) if needs[4] else None, dw_up, db_up
 
