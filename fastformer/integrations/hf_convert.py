@@ -22,8 +22,9 @@ T5 feed-forward             DenseReluDense on ``ff.ffn`` (dropout fused); the ga
                             ``ff.swiglu_ffn`` when no dropout runs
 T5 attention's bias         ``ff.RelativePositionBias`` on the layer's table, computed inside the
                             attention kernels (no (1, H, Lq, Lk) bias tensor)
-nn.Linear (every one)       calls of 1-8 rows without autograd (decode steps) on ops/linear.py's
-                            kernel, which reads the weights at up to 3x torch's GEMV rate
+nn.Linear (every one)       ops/linear.py: calls of 1-8 rows without autograd (decode steps) on
+                            its kernel, which reads the weights at up to 3x torch's GEMV rate;
+                            bf16 weight gradients on AMX tiles (1.0-2.0x torch's mm there)
 CausalLM heads              with ``labels``: ``ff.linear_cross_entropy`` on the hidden states
                             (the logits are not materialized and not returned, as Liger-Kernel)
 ==========================  =====================================================================
@@ -325,9 +326,10 @@ class _T5DenseGatedActDense:
 
 # ---- linear layers ---------------------------------------------------------------------------------
 class _FewRowsLinear:
-    """nn.Linear whose few-row calls without autograd (decode steps) read the weights with
-    ops/linear.py's kernel; every other call is F.linear, as before."""
-    _ff_what = "ff linear (decode-time rows on the few-row kernel)"
+    """nn.Linear on ops/linear.py's linear: few-row calls without autograd (decode steps) read
+    the weights with its kernel, bf16 training takes its weight gradient from the AMX kernel;
+    every other call is F.linear, as before."""
+    _ff_what = "ff linear (decode-time rows on the few-row kernel, bf16 weight gradients on AMX)"
 
     def forward(self, x):
         return linear(x, self.weight, self.bias)

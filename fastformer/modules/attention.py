@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..ops.attention import attention
+from ..ops.linear import linear
 from ..reference.attention import CAUSAL_NONE, CAUSAL_TOP_LEFT, allowed_mask
 from .positional import RotaryEmbedding
 
@@ -40,14 +41,15 @@ def _cpu_has_fast_lowp_gemm() -> bool:
 
 
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    """F.linear; on CPUs without bf16/fp16 GEMM hardware, a low-precision projection runs as an
-    fp32 GEMM on upcast copies and is rounded once (torch's bf16 GEMM reaches 1-15 GFLOP/s on
-    such CPUs, fp32 ~100 on a 2-core Zen 3). Same math as torch's (fp32 accumulation, one
-    rounding of the output); autograd's casts route the gradients the same way."""
+    """F.linear (ops/linear.py's: bf16 weight gradients on AMX); on CPUs without bf16/fp16 GEMM
+    hardware, a low-precision projection runs as an fp32 GEMM on upcast copies and is rounded
+    once (torch's bf16 GEMM reaches 1-15 GFLOP/s on such CPUs, fp32 ~100 on a 2-core Zen 3).
+    Same math as torch's (fp32 accumulation, one rounding of the output); autograd's casts
+    route the gradients the same way."""
     if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
             and not _cpu_has_fast_lowp_gemm()):
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
-    return F.linear(x, w, b)
+    return linear(x, w, b)
 
 
 def _split_heads(t: Tensor, n: int, heads: int, batch_first: bool) -> list:
