@@ -282,9 +282,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("weight_grad", &cb::weight_grad, "P^T Q (or its transpose), bf16 on AMX: weight gradients",
         py::arg("p"), py::arg("q"), py::arg("transpose_c"), py::arg("out_dtype"));
   m.def("ffn_act_fwd", &cb::ffn_act_fwd, py::arg("gate"), py::arg("up"), py::arg("activation"),
-        py::arg("over_gate") = false);
+        py::arg("over_gate") = false, py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none());
   m.def("ffn_act_bwd", &cb::ffn_act_bwd, py::arg("dh"), py::arg("gate"), py::arg("up"),
-        py::arg("activation"), py::arg("need_h"));
+        py::arg("activation"), py::arg("need_h"), py::arg("dropout_p") = 0.0,
+        py::arg("rng_state") = py::none());
   m.def("lce_rows", &cb::lce_rows, "linear_cross_entropy: the row pass over a chunk of logits");
   m.def("lce_pair_add", &cb::lce_pair_add, "hi + lo += p (compensated bf16/fp16 accumulation)",
         py::arg("hi"), py::arg("lo"), py::arg("p"), py::arg("read_lo") = true, py::arg("write_lo") = true);

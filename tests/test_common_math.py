@@ -142,7 +142,7 @@ def test_philox_matches_reference_rng(harness):
         assert [int(w) for w in words] == expected.tolist(), f"seed {seed}"
 
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
 def test_batched_philox_matches_reference_rng(tmp_path, isa):
     """cpu/philox_vec.h (what the CPU kernels draw dropout masks with) against reference/rng.py,
     across runs whose low counter word wraps (the carry into the high word)."""
@@ -154,6 +154,10 @@ def test_batched_philox_matches_reference_rng(tmp_path, isa):
                 "avx512" not in torch.backends.cpu.get_cpu_capability().lower():
             pytest.skip("this CPU has no AVX2 to run the vector Philox lanes on")
         flags = ["-mavx2", "-DCPU_CAPABILITY=AVX2"]
+    if isa == "avx512":
+        if "avx512" not in torch.backends.cpu.get_cpu_capability().lower():
+            pytest.skip("this CPU has no AVX-512 to run the 16-lane Philox loop on")
+        flags = ["-mavx2", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-DCPU_CAPABILITY=AVX512"]
     exe = tmp_path / "harness"
     subprocess.run([CXX, "-std=c++17", "-O1", *flags, "-I", str(ROOT / "csrc"),
                     str(ROOT / "tests/cpp/common_math_harness.cpp"), "-o", str(exe)],

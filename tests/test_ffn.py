@@ -140,13 +140,13 @@ def test_cpu_bf16_amx_route_and_kernel(amx, tokens, d, hidden, dtype, act, gated
         ff._ext.set_cpu_amx(bool(info.get("amx_bf16")))
 
 
-@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("gated,dropout_p", [(False, 0.0), (True, 0.0), (False, 0.3)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_cpu_amx_route_formulas_in_fp64(gated, bias):
-    """cpu.onednn's GEMM wiring, saved [gate | up] layout and gradient formulas against the
-    reference in fp64 (its torch ops take any dtype), on any machine."""
+def test_cpu_amx_route_formulas_in_fp64(gated, bias, dropout_p):
+    """cpu.onednn's GEMM wiring, saved [gate | up] layout, gradient formulas and dropout mask
+    against the reference in fp64 (its torch ops take any dtype), on any machine."""
     from fastformer.ops import ffn as ops
-    _vendor_route_matches_reference(ops._CpuOnednn(), gated, bias)
+    _vendor_route_matches_reference(ops._CpuOnednn(), gated, bias, dropout_p=dropout_p)
 
 
 @pytest.mark.parametrize("gated", [False, True])
@@ -158,20 +158,21 @@ def test_cpu_packed_routes_in_fp64(gated, bias):
     _vendor_route_matches_reference(ops._Cpu(), gated, bias)
 
 
-def _vendor_route_matches_reference(impl, gated, bias, device="cpu"):
+def _vendor_route_matches_reference(impl, gated, bias, device="cpu", dropout_p=0.0):
     """An Impl's fwd / bwd and its eager autograd route (where it has one for the call)
-    against the reference, fp64."""
+    against the reference, fp64 (dropout: the same drawn mask on both)."""
     from fastformer.ops import ffn as ops
     from fastformer.reference import ffn as ref
     *tensors, _ = _params(37, 24, 50, torch.float64, gated, bias)
     x, w1, b1, w2, b2, wu, bu = (t.to(device) if t is not None else None for t in tensors)
     for act in range(4):
-        o = ops.FfnOptions(activation=act, store_preactivation=True)
+        drop = dict(dropout_p=dropout_p, rng_state=draw_rng_state()) if dropout_p else {}
+        o = ops.FfnOptions(activation=act, store_preactivation=True, **drop)
         y, s = impl.fwd(x, w1, b1, w2, b2, wu, bu, o)
         yr, sr = ref.ffn_fwd(x, w1, b1, w2, b2, wu, bu, o)
         assert torch.allclose(y, yr) and torch.allclose(s, sr), (act, "forward")
         # no backward to come: h is written over the pre-activation buffer
-        y_inference, _ = impl.fwd(x, w1, b1, w2, b2, wu, bu, ops.FfnOptions(activation=act))
+        y_inference, _ = impl.fwd(x, w1, b1, w2, b2, wu, bu, ops.FfnOptions(activation=act, **drop))
         assert torch.allclose(y_inference, yr), (act, "forward without a saved pre-activation")
         dy = torch.randn(37, 24, dtype=torch.float64, device=device)
         g = impl.bwd((dy,), (x, w1, w2, wu, s), o, (True,) * 7)

@@ -346,7 +346,7 @@ inline void drop_row(const AttnArgs& a, A* p, int64_t b, int64_t h, int64_t qi, 
   const uint64_t base = a.offset + static_cast<uint64_t>(((b * a.H + h) * a.Lq + qi) * a.Lk + k0);
   uint32_t words[kBlockK];
   philox_words(base, a.seed, n_keys, words);
-  for (int64_t j = 0; j < n_keys; ++j) p[j] = words[j] < threshold ? A(0) : p[j];  // branch-free
+  zero_dropped(words, n_keys, threshold, p);
 }
 
 }  // namespace attn

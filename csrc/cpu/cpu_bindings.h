@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <optional>
 
 #include "cpu/cpu_kernels.h"
@@ -750,10 +751,11 @@ inline std::vector<Tensor> ffn_down_bwd(const Tensor& dy, const Tensor& gate,
 }
 
 // ---- the FFN's activation / gate, one elementwise pass (the cpu.onednn route) ---------------
-// ffn_act_fwd(gate, up, activation, over_gate) -> h = act(gate) [* up] (over_gate: written over
-//   gate, which the caller must own: each element of gate is read before h's is written)
-// ffn_act_bwd(dh, gate, up, activation, need_h) -> {d_gate, d_up (gated), h (need_h; written
-//   over dh, which the caller must own)}
+// ffn_act_fwd(gate, up, activation, over_gate, dropout_p, rng_state) -> h = act(gate) [* up]
+//   [* dropout's keep / (1 - p)] (over_gate: written over gate, which the caller must own: each
+//   element of gate is read before h's is written)
+// ffn_act_bwd(dh, gate, up, activation, need_h, dropout_p, rng_state) -> {d_gate, d_up (gated),
+//   h (need_h; written over dh, which the caller must own)}
 // gate / up / dh: (rows, F) with contiguous rows (gate and up may be the halves of one buffer).
 inline void check_act_operand(const Tensor& t, const Tensor& like, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type() &&
@@ -763,10 +765,14 @@ inline void check_act_operand(const Tensor& t, const Tensor& like, const char* w
 }
 
 inline cpu::FfnActArgs ffn_act_args(const Tensor& gate, const optional<Tensor>& up,
-                                    int64_t activation) {
+                                    int64_t activation, double dropout_p, const optional<Tensor>& rng_state) {
   check_cpu(gate, "ffn_act");
   check_act_operand(gate, gate, "gate");
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "fastformer._C.ffn_act: dropout_p must be in [0, 1), got ",
+              dropout_p);
   cpu::FfnActArgs a;
+  a.dropout_p = dropout_p;
+  std::tie(a.seed, a.offset) = seed_offset(rng_state);
   a.dtype = to_dtype(gate);
   a.activation = static_cast<int32_t>(activation);
   a.rows = gate.size(0);
@@ -788,8 +794,8 @@ inline void run_ffn_act(const cpu::FfnActArgs& a) {
 }
 
 inline Tensor ffn_act_fwd(const Tensor& gate, const optional<Tensor>& up, int64_t activation,
-                          bool over_gate) {
-  cpu::FfnActArgs a = ffn_act_args(gate, up, activation);
+                          bool over_gate, double dropout_p, const optional<Tensor>& rng_state) {
+  cpu::FfnActArgs a = ffn_act_args(gate, up, activation, dropout_p, rng_state);
   Tensor h = over_gate ? gate : at::empty(gate.sizes(), gate.options());
   a.h = h.data_ptr();
   a.ld_h = h.stride(0);
@@ -799,8 +805,8 @@ inline Tensor ffn_act_fwd(const Tensor& gate, const optional<Tensor>& up, int64_
 
 inline std::vector<Tensor> ffn_act_bwd(const Tensor& dh, const Tensor& gate,
                                        const optional<Tensor>& up, int64_t activation,
-                                       bool need_h) {
-  cpu::FfnActArgs a = ffn_act_args(gate, up, activation);
+                                       bool need_h, double dropout_p, const optional<Tensor>& rng_state) {
+  cpu::FfnActArgs a = ffn_act_args(gate, up, activation, dropout_p, rng_state);
   check_act_operand(dh, gate, "dh");
   a.dh = dh.data_ptr();
   a.ld_dh = dh.stride(0);

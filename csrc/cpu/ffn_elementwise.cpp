@@ -2,10 +2,13 @@
 // GEMMs are torch's (fastformer/ops/ffn.py: cpu.onednn, bf16 on CPUs with AVX512-BF16 / AMX
 // dot products, and fp32 calls of a few rows). With g the pre-activation (the GEMM output with
 // its bias) and, gated, u the up projection (formulas: common/activations.h):
-//   forward:   h = act(g)            gated: h = act(g) * u
-//   backward:  d g = dh * act'(g)    gated: d g = dh * u * act'(g), d u = dh * act(g)
+//   forward:   h = act(g) * m            gated: h = act(g) * u * m
+//   backward:  d g = dh * m * act'(g)    gated: d g = dh * m * u * act'(g), d u = dh * m * act(g)
 //              and h again when the caller needs it (d W_down = dy^T h): the forward saves g
 //              (and u) only, never h.
+// m is dropout's keep / (1 - p) (1 without dropout): the packed kernel's mask (ffn.cpp),
+// keep(r, c) = Philox(seed, offset + r * cols + c) >= threshold, drawn per run of kMaskRun
+// elements of a row (philox_vec.h) into a row of factors the vector loop multiplies by.
 // Per element: read g (u, dh), write h (d g, d u) once, the math in fp32 (fp64 for fp64) and
 // one rounding per output. Eager PyTorch's SwiGLU backward makes three passes over saved
 // act(g), u and dh plus the autograd sums; recomputing act(g) here costs a few vector
@@ -17,14 +20,17 @@
 #include <algorithm>
 
 #include "common/activations.h"
+#include "common/philox.h"
 #include "cpu/act_vec.h"
 #include "cpu/cpu_kernels.h"
+#include "cpu/philox_vec.h"
 #include "cpu/vec_utils.h"
 
 namespace fastformer::cpu::CPU_CAPABILITY {
 namespace {
 
 constexpr int64_t kElementsPerTask = 32768;  // parallel grain: enough work to pay a wake-up
+constexpr int64_t kMaskRun = 256;            // dropout factors drawn at a time (a multiple of kV)
 
 template <typename T, Activation Act>
 void ffn_act_typed(const FfnActArgs& a) {
@@ -33,9 +39,13 @@ void ffn_act_typed(const FfnActArgs& a) {
   using M = ActMath<V>;
   constexpr int64_t kV = V::size();
   const int64_t n = a.cols;
-  const bool gated = a.up != nullptr, backward = a.dh != nullptr;
+  const bool gated = a.up != nullptr, backward = a.dh != nullptr, dropout = a.dropout_p > 0;
+  const uint32_t threshold = dropout ? dropout_threshold(a.dropout_p) : 0;
+  const A scale = dropout ? static_cast<A>(1.0 / (1.0 - a.dropout_p)) : A(1);
   const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(n, 1));
   at::parallel_for(0, a.rows, grain, [&](int64_t begin, int64_t end) {
+    uint32_t words[kMaskRun];
+    alignas(64) A factors[kMaskRun];
     for (int64_t r = begin; r < end; ++r) {
       const T* g = static_cast<const T*>(a.gate) + r * a.ld_gate;
       const T* u = gated ? static_cast<const T*>(a.up) + r * a.ld_up : nullptr;
@@ -45,23 +55,33 @@ void ffn_act_typed(const FfnActArgs& a) {
       T* du = backward && gated ? static_cast<T*>(a.d_up) + r * a.ld_d_up : nullptr;
       for (int64_t c = 0; c < n; c += kV) {
         const int64_t w = std::min(kV, n - c);
+        if (dropout && c % kMaskRun == 0) {
+          const int64_t run = std::min(kMaskRun, n - c);
+          philox_words(a.offset + static_cast<uint64_t>(r * n + c), a.seed, run, words);
+          std::fill(factors, factors + run, scale);
+          zero_dropped(words, run, threshold, factors);
+          std::fill(factors + run, factors + (run + kV - 1) / kV * kV, A(0));  // a tail's unused lanes
+        }
+        const V mv = dropout ? V::loadu(factors + c % kMaskRun) : V(A(1));
         const V gv = w == kV ? load_acc(g + c) : load_acc(g + c, w);
         const V uv = gated ? (w == kV ? load_acc(u + c) : load_acc(u + c, w)) : V(A(1));
         if (!backward) {
           V hv = activation<Act, V, M>(gv);
           if (gated) hv = hv * uv;
+          if (dropout) hv = hv * mv;
           store_acc(h + c, hv, w);
           continue;
         }
         const ValueGrad<V> act = activation_value_grad<Act, V, M>(gv);
-        const V dhv = w == kV ? load_acc(dh + c) : load_acc(dh + c, w);
+        V dhv = w == kV ? load_acc(dh + c) : load_acc(dh + c, w);
+        if (dropout) dhv = dhv * mv;
         if (gated) {
           store_acc(du + c, dhv * act.value, w);
           store_acc(dg + c, dhv * uv * act.grad, w);
-          if (h) store_acc(h + c, act.value * uv, w);
+          if (h) store_acc(h + c, dropout ? act.value * uv * mv : act.value * uv, w);
         } else {
           store_acc(dg + c, dhv * act.grad, w);
-          if (h) store_acc(h + c, act.value, w);
+          if (h) store_acc(h + c, dropout ? act.value * mv : act.value, w);
         }
       }
     }

@@ -115,11 +115,12 @@ class _VendorGemm(Impl):
 
     options = _NO_DROPOUT
     features = _FEATURES
-    # elementwise hooks: act_fwd(pre, act, over) -> h = act(pre); gated_fwd(g, u, act, over) ->
-    # act(g) * u, where `over` says h may be written over pre / g (the forward does not keep
-    # them: no backward to come), which a backend is free to ignore;
-    # act_bwd(dh, pre, act, need_h) -> (d_pre, h or None);
-    # gated_bwd(dh, g, u, act, need_h) -> (d_g, d_u, h or None): h again for d W2 (it may
+    # elementwise hooks, o the call's FfnOptions (the activation; dropout where the backend's
+    # options take it): act_fwd(pre, o, over) -> h = act(pre) (* dropout's keep / (1 - p));
+    # gated_fwd(g, u, o, over) -> act(g) * u, where `over` says h may be written over pre / g
+    # (the forward does not keep them: no backward to come), which a backend is free to ignore;
+    # act_bwd(dh, pre, o, need_h) -> (d_pre, h or None);
+    # gated_bwd(dh, g, u, o, need_h) -> (d_g, d_u, h or None): h again for d W2 (it may
     # overwrite dh, a temporary of bwd()).
     act_fwd = act_bwd = gated_fwd = gated_bwd = None
 
@@ -138,20 +139,20 @@ class _VendorGemm(Impl):
         over = not o.store_preactivation
         if w_up is None:
             pre = lin(x2, w1, b1)
-            h = self.hidden(pre, None, o.activation, over)
+            h = self.hidden(pre, None, o, over)
         else:
             F_ = w1.shape[0]
             pre = x2.new_empty((x2.shape[0], 2 * F_))  # [gate | up]
             gate, up = pre[:, :F_], pre[:, F_:]
             lin(x2, w1, b1, out=gate)  # strided outputs: the GEMM writes them with ldc = 2F
             lin(x2, w_up, b_up, out=up)
-            h = self.hidden(gate, up, o.activation, over)  # over: a strided view of pre
+            h = self.hidden(gate, up, o, over)  # over: a strided view of pre
         y = lin(h, w2, b2).reshape(x.shape)
         return y, (pre if o.store_preactivation else x.new_empty((0,)))
 
-    def hidden(self, pre, up, act, over):
+    def hidden(self, pre, up, o, over):
         """h = act(pre), gated (up given): act(pre) * up, through the backend's hooks."""
-        return self.act_fwd(pre, act, over) if up is None else self.gated_fwd(pre, up, act, over)
+        return self.act_fwd(pre, o, over) if up is None else self.gated_fwd(pre, up, o, over)
 
     def autograd(self, x, w1, b1, w2, b2, w_up, b_up, o):
         """The eager route with autograd, as separate nodes where the op's shared Function
@@ -170,21 +171,20 @@ class _VendorGemm(Impl):
 
     def down_fwd(self, pre, up, w2, b2, o):
         """_ActDown's forward: act(pre) [* up] @ w2.T + b2."""
-        return self._linear(self.hidden(pre, up, o.activation, False), w2, b2)
+        return self._linear(self.hidden(pre, up, o, False), w2, b2)
 
     def down_bwd(self, dy, pre, up, w2, o, need_pre, need_w2, need_b2):
         """_ActDown's backward: (d_pre, d_up, d_w2, d_b2), None where not needed."""
-        act = o.activation
         d_pre = d_up = h = None
         if need_pre:
             dh = dy @ w2
             if up is None:
-                d_pre, h = self.act_bwd(dh, pre, act, need_w2)
+                d_pre, h = self.act_bwd(dh, pre, o, need_w2)
             else:
-                d_pre, d_up, h = self.gated_bwd(dh, pre, up, act, need_w2)
+                d_pre, d_up, h = self.gated_bwd(dh, pre, up, o, need_w2)
             del dh
         elif need_w2:
-            h = self.hidden(pre, up, act, False)
+            h = self.hidden(pre, up, o, False)
         return d_pre, d_up, weight_grad(dy, h) if need_w2 else None, dy.sum(0) if need_b2 else None
 
     def bwd(self, grads, saved, o, needs):
@@ -193,7 +193,6 @@ class _VendorGemm(Impl):
         x2 = x.reshape(-1, x.shape[-1])
         dy2 = dy.reshape(-1, dy.shape[-1])
         F_ = w1.shape[0]
-        act = o.activation
         # Each (N, F) temporary is dropped as soon as its last GEMM has run: the saved
         # pre-activation stays alive through the whole backward (autograd holds it), so the
         # order sets the peak. SwiGLU bf16 (1024, 1024, 2816) forward+backward on a 2-core Zen 5:
@@ -201,10 +200,10 @@ class _VendorGemm(Impl):
         dh = dy2 @ w2
         need_h = bool(needs[3])
         if w_up is None:
-            d_pre, h = self.act_bwd(dh, pre, act, need_h)
+            d_pre, h = self.act_bwd(dh, pre, o, need_h)
             d_up = None
         else:
-            d_pre, d_up, h = self.gated_bwd(dh, pre[:, :F_], pre[:, F_:], act, need_h)
+            d_pre, d_up, h = self.gated_bwd(dh, pre[:, :F_], pre[:, F_:], o, need_h)
         del dh
         dw2 = weight_grad(dy2, h) if need_h else None
         del h
@@ -267,18 +266,18 @@ class _CudaCublas(_VendorGemm):
     backend = "cuda"
     name = "cuda.cublas"
     dtypes = GPU_FLOAT
-    act_fwd = staticmethod(lambda pre, act, over: _ext.C.cuda_ffn_bias_act_fwd(pre, None, act))
-    gated_fwd = staticmethod(lambda g, u, act, over: _ext.C.cuda_ffn_gated_act_fwd(g, u, act))
+    act_fwd = staticmethod(lambda pre, o, over: _ext.C.cuda_ffn_bias_act_fwd(pre, None, o.activation))
+    gated_fwd = staticmethod(lambda g, u, o, over: _ext.C.cuda_ffn_gated_act_fwd(g, u, o.activation))
 
     @classmethod
-    def act_bwd(cls, dh, pre, act, need_h):
-        return (_ext.C.cuda_ffn_bias_act_bwd(dh, pre, None, act, False)[0],
-                cls.act_fwd(pre, act, False) if need_h else None)
+    def act_bwd(cls, dh, pre, o, need_h):
+        return (_ext.C.cuda_ffn_bias_act_bwd(dh, pre, None, o.activation, False)[0],
+                cls.act_fwd(pre, o, False) if need_h else None)
 
     @classmethod
-    def gated_bwd(cls, dh, g, u, act, need_h):
-        dg, du = _ext.C.cuda_ffn_gated_act_bwd(dh, g, u, act)
-        return dg, du, cls.gated_fwd(g, u, act, False) if need_h else None
+    def gated_bwd(cls, dh, g, u, o, need_h):
+        dg, du = _ext.C.cuda_ffn_gated_act_bwd(dh, g, u, o.activation)
+        return dg, du, cls.gated_fwd(g, u, o, False) if need_h else None
 
 
 @FFN.implementation
@@ -301,8 +300,9 @@ class _Triton(Impl):
 
 @FFN.implementation
 class _CpuOnednn(_VendorGemm):
-    """cpu, without dropout: torch's GEMMs (oneDNN / MKL) with the activation / gate as one
-    elementwise pass of ours (csrc/cpu/ffn_elementwise.cpp; the backward's recomputes h), for
+    """cpu: torch's GEMMs (oneDNN / MKL) with the activation / gate (and dropout, the packed
+    kernel's Philox mask) as one elementwise pass of ours (csrc/cpu/ffn_elementwise.cpp; the
+    backward's recomputes h and the mask), for
       * bf16 where torch's bf16 GEMMs have hardware dot products (AVX512-BF16 or AMX-BF16):
         1.6-2.6 TFLOP/s on AMX (2-core Xeon, 5-7x the fp32 FMAs of csrc/cpu/ffn.cpp's packed
         GEMM); on a 2-core Zen 5 with AVX512-BF16, SwiGLU (2048, 1024, 2816) forward 53 ms vs
@@ -315,26 +315,28 @@ class _CpuOnednn(_VendorGemm):
     backend = "cpu"
     name = "cpu.onednn"
     dtypes = frozenset({torch.bfloat16, torch.float32})
+    options = _EVERY
     features = _FEATURES | {"last_dim_strided", "rows_strided"}
-    gated_fwd = staticmethod(lambda g, u, act, over: _ext.C.ffn_act_fwd(g, u, act, over))
+    gated_fwd = staticmethod(lambda g, u, o, over: _ext.C.ffn_act_fwd(g, u, o.activation, over))
 
     @staticmethod
-    def act_fwd(pre, act, over):
+    def act_fwd(pre, o, over):
         # The exact (erf) GELU alone is torch's: its CPU GELU is oneDNN's JIT eltwise kernel,
         # (4096, 3072) in place on 2 Xeon cores 2.2 ms against 2.8 for ours, bf16 and fp32.
-        # The backward's fused pass (d pre and h at once) stays ours.
-        if act == _ACT_CODE["gelu"]:
+        # The backward's fused pass (d pre and h at once) stays ours; with dropout, ours
+        # (the mask in the same pass).
+        if o.activation == _ACT_CODE["gelu"] and not o.dropout_p:
             return torch.ops.aten.gelu_(pre) if over else F.gelu(pre)
-        return _ext.C.ffn_act_fwd(pre, None, act, over)
+        return _ext.C.ffn_act_fwd(pre, None, o.activation, over, o.dropout_p, o.rng_state)
 
     @staticmethod
-    def act_bwd(dh, pre, act, need_h):
-        d_pre, _, h = _ext.C.ffn_act_bwd(dh, pre, None, act, need_h)
+    def act_bwd(dh, pre, o, need_h):
+        d_pre, _, h = _ext.C.ffn_act_bwd(dh, pre, None, o.activation, need_h, o.dropout_p, o.rng_state)
         return d_pre, h
 
     @staticmethod
-    def gated_bwd(dh, g, u, act, need_h):
-        return tuple(_ext.C.ffn_act_bwd(dh, g, u, act, need_h))
+    def gated_bwd(dh, g, u, o, need_h):
+        return tuple(_ext.C.ffn_act_bwd(dh, g, u, o.activation, need_h))
 
     @staticmethod
     def _linear(a, w, b, out=None):
