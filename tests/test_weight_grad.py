@@ -130,3 +130,29 @@ def test_ffn_weight_gradients_through_the_kernel(gated, monkeypatch):
     want = torch.autograd.grad(run(ref[0], ref[1:], eager=True), ref, dy.double())
     for i, (o, e, r) in enumerate(zip(ours, eager, want)):
         assert_lowp_rule(f"grad {i}", o, r, e, GRAD_FACTOR, LOWP_ATOL[torch.bfloat16])
+
+
+def test_linear_under_torch_compile_takes_the_kernel(monkeypatch):
+    """Under torch.compile (fullgraph) ff's linear is the custom op fastformer::linear, whose
+    backward runs the kernel; gradients as eager's by the error-ratio rule."""
+    calls = []
+    real = lin.weight_grad
+
+    def counted(dy, x):
+        calls.append(lin.weight_grad_kernel_takes(dy, x))
+        return real(dy, x)
+
+    monkeypatch.setattr(lin, "weight_grad", counted)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 300, 256, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(384, 256, generator=g) / 16).bfloat16().requires_grad_()
+    b = torch.randn(384, generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(4, 300, 384, generator=g).bfloat16()
+    compiled = torch.compile(lambda x, w, b: lin.linear(x, w, b), fullgraph=True, backend="aot_eager")
+    ours = torch.autograd.grad(compiled(x, w, b), (x, w, b), dy)
+    assert calls == [True]
+    eager = torch.autograd.grad(F.linear(x, w, b), (x, w, b), dy)
+    ref = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    want = torch.autograd.grad(F.linear(*ref), ref, dy.double())
+    for name, o, e, r in zip("xwb", ours, eager, want):
+        assert_lowp_rule(f"d{name}", o, r, e, GRAD_FACTOR, LOWP_ATOL[torch.bfloat16])

@@ -94,9 +94,18 @@ def weight_grad(dy: Tensor, x: Tensor) -> Tensor:
     return _ext.C.weight_grad(dy, x, False, dy.dtype)
 
 
+def _linear_grads(dy: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_w: bool, need_b: bool):
+    """(dx, dW, db) of y = x W^T + b, None where not needed: dx on torch's GEMM (oneDNN runs it
+    at 1.7-2.1 TFLOP/s on AMX), dW from weight_grad()."""
+    dy2 = rowwise(dy).reshape(-1, dy.shape[-1])
+    dx = (dy2 @ weight).reshape(x.shape) if need_x else None
+    dw = weight_grad(dy2, x.reshape(-1, x.shape[-1])) if need_w else None
+    db = dy2.sum(0) if need_b else None
+    return dx, dw, db
+
+
 class _Linear(torch.autograd.Function):
-    """F.linear whose backward takes its weight gradient from weight_grad() (bf16 on AMX); the
-    forward and dx are torch's GEMMs (oneDNN runs them at 1.7-2.1 TFLOP/s on AMX)."""
+    """F.linear whose backward is _linear_grads() (eager autograd)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -108,24 +117,71 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad
-        dy2 = rowwise(dy).reshape(-1, dy.shape[-1])
-        dx = (dy2 @ weight).reshape(x.shape) if need_x else None
-        dw = weight_grad(dy2, x.reshape(-1, x.shape[-1])) if need_w else None
-        db = dy2.sum(0) if need_b and ctx.has_bias else None
-        return dx, dw, db
+        return _linear_grads(dy, x, weight, need_x, need_w, need_b and ctx.has_bias)
+
+
+# The same under torch.compile: a custom-op pair, opaque to the compiler, whose backward decides
+# at run time (inside the op) whether the kernel takes the weight gradient. Eager calls keep the
+# lighter autograd.Function above.
+@torch.library.custom_op("fastformer::linear", mutates_args=())
+def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return F.linear(x, weight, bias)
+
+
+@_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("fastformer::linear_bwd", mutates_args=())
+def _linear_bwd_op(dy: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_w: bool,
+                   need_b: bool) -> list[Tensor]:
+    grads = _linear_grads(dy, x, weight, need_x, need_w, need_b)
+    return [g if g is not None else dy.new_empty((0,)) for g in grads]
+
+
+@_linear_bwd_op.register_fake
+def _(dy, x, weight, need_x, need_w, need_b):
+    shapes = (x.shape, weight.shape, weight.shape[:1])
+    return [dy.new_empty(s if need else (0,)) for s, need in zip(shapes, (need_x, need_w, need_b))]
+
+
+def _linear_setup(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _linear_backward(ctx, dy):
+    x, weight = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad
+    need_b = need_b and ctx.has_bias
+    dx, dw, db = _linear_bwd_op(dy, x, weight, need_x, need_w, need_b)
+    return dx if need_x else None, dw if need_w else None, db if need_b else None
+
+
+_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+# Under torch.compile bf16 CPU linears take the op where the kernel ran at import (AMX at the
+# selected level); elsewhere F.linear stays visible to the compiler.
+_COMPILE_VIA_OP = _ext.C is not None and hasattr(_ext.C, "weight_grad") and bool(_ext.C.use_amx_bf16())
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``F.linear(x, weight, bias)``; a few rows without autograd on linear_rows.cpp, a bf16
-    weight gradient on weight_grad.cpp."""
+    weight gradient on weight_grad.cpp (eager, and under torch.compile through the custom op
+    fastformer::linear)."""
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
     if not grad:
         if rows_kernel_takes(x, weight, bias):
             return rows_linear(x, weight, bias)
-    elif (weight.requires_grad and weight.dtype == x.dtype and weight.dim() == 2 and _plain(weight)
-          and _weight_grad_fits(x, weight.shape[0])):
-        return _Linear.apply(x, weight, bias)
+    elif weight.requires_grad and weight.dtype == x.dtype and weight.dim() == 2:
+        if torch.compiler.is_compiling():
+            # The kernel's run-time conditions (AMX, sizes) are checked inside the op.
+            if x.dtype == torch.bfloat16 and x.device.type == "cpu" and _COMPILE_VIA_OP:
+                return _linear_op(x, weight, bias)
+        elif _plain(weight) and _weight_grad_fits(x, weight.shape[0]):
+            return _Linear.apply(x, weight, bias)
     return F.linear(x, weight, bias)
 
 
