@@ -62,16 +62,19 @@ def rows_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-# Fewest multiply-adds (tokens x out x in) for which weight_grad.cpp takes a weight gradient:
-# below it the packing and the two parallel regions per block cost more than they save.
-MIN_WEIGHT_GRAD_MACS = 1 << 22
+# Fewest tokens (the GEMM's K) for which weight_grad.cpp takes a weight gradient. torch's mm
+# with a transposed A slows down as K grows; at K = 512 it is still at or above the kernel
+# (out x in = 512^2..1024^2: 0.78-0.91x for the kernel, 2048^2: 1.24x), from K = 1024 below it
+# (512^2: 1.10x, 768^2 at K = 2048: 1.43x, the FFN's shapes above: 1.2-2.0x). Median of 15,
+# one process, 2-core Xeon.
+MIN_WEIGHT_GRAD_TOKENS = 1024
 
 
 def _weight_grad_fits(x: Tensor, out_features: int) -> bool:
     """Whether weight_grad.cpp takes the weight gradient of a layer of out_features outputs
     whose inputs are the rows of x (last dim: the in-features)."""
     return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and _plain(x) and x.dim() >= 1
-            and x.numel() * out_features >= MIN_WEIGHT_GRAD_MACS
+            and x.numel() >= MIN_WEIGHT_GRAD_TOKENS * max(1, x.shape[-1]) and out_features > 0
             and _ext.C is not None and hasattr(_ext.C, "weight_grad") and _ext.C.use_amx_bf16()
             and not torch.compiler.is_compiling())
 
