@@ -131,6 +131,26 @@ def test_converted_family_bf16_error_ratio(name):
         assert_lowp_rule(f"d{n}", grads[n], r, low_grads[n], GRAD_FACTOR, atol * r.abs().max().item())
 
 
+@pytest.mark.parametrize("name", ["llama", "bert", "gpt2"])
+def test_converted_family_bf16_with_the_weight_grad_kernel(name, monkeypatch):
+    """The bf16 family test with every linear layer (GPT-2's Conv1D included) taking its weight
+    gradient from csrc/cpu/weight_grad.cpp (the models' few tokens made to qualify)."""
+    from fastformer.ops import linear as lin
+    if not lin.weight_grad_kernel_takes(torch.zeros(2048, 8).bfloat16(), torch.zeros(2048, 8).bfloat16()):
+        pytest.skip("weight_grad.cpp runs on AMX-BF16 tiles; not in use on this CPU / level")
+    calls = []
+    real = lin.weight_grad
+
+    def counted(dy, x):
+        calls.append(lin.weight_grad_kernel_takes(dy, x))
+        return real(dy, x)
+
+    monkeypatch.setattr(lin, "MIN_WEIGHT_GRAD_TOKENS", 1)
+    monkeypatch.setattr(lin, "weight_grad", counted)
+    test_converted_family_bf16_error_ratio(name)
+    assert calls and all(calls)
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma", "bert", "gpt2", "t5"])
 def test_conversion_keeps_parameters_and_state_dict(name):
     model = _model(name)

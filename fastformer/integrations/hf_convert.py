@@ -22,6 +22,7 @@ T5 feed-forward             DenseReluDense on ``ff.ffn`` (dropout fused); the ga
                             ``ff.swiglu_ffn`` when no dropout runs
 T5 attention's bias         ``ff.RelativePositionBias`` on the layer's table, computed inside the
                             attention kernels (no (1, H, Lq, Lk) bias tensor)
+GPT-2's Conv1D             as nn.Linear below, on the weight's transpose (a view)
 nn.Linear (every one)       ops/linear.py: calls of 1-8 rows without autograd (decode steps) on
                             its kernel, which reads the weights at up to 3x torch's GEMV rate;
                             bf16 weight gradients on AMX tiles from 1024 tokens (1.1-2.0x
@@ -336,6 +337,17 @@ class _FewRowsLinear:
         return linear(x, self.weight, self.bias)
 
 
+class _Conv1DLinear:
+    """GPT-2's Conv1D (weight (in, out), y = x W + b) as ops/linear.py's linear on the weight's
+    transpose (a view): bf16 training takes the weight gradient from the AMX kernel."""
+    _ff_what = "ff linear (weight read transposed; bf16 weight gradients on AMX)"
+
+    def forward(self, x):
+        if x.dtype != self.weight.dtype:
+            return super().forward(x)
+        return linear(x, self.weight.t(), self.bias)
+
+
 # ---- T5's relative-position bias ------------------------------------------------------------------
 class _T5RelativeBias:
     """compute_bias returns a placeholder that carries an ff.RelativePositionBias over the
@@ -431,6 +443,8 @@ _CONVERTERS.update({
     "GPT2LMHeadModel": _convert_causal_lm,
     "T5Attention": _convert_t5_attention,
     "Linear": lambda m: _swap(m, _FewRowsLinear) if type(m) is nn.Linear else "a subclass of nn.Linear",
+    "Conv1D": lambda m: (_swap(m, _Conv1DLinear) if type(m).__module__.startswith("transformers.")
+                         else "not transformers' Conv1D"),
 })
 
 
