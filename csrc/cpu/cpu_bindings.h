@@ -885,7 +885,7 @@ inline Tensor weight_grad(const Tensor& p, const Tensor& q, bool transpose_c, at
                          : at::empty({m, n}, p.options().dtype(out_dtype));
   if (m == 0 || n == 0) return c;
   if (k == 0) return c.zero_();
-  const cpu::WeightGradLayout layout(k, m, n);
+  const cpu::WeightGradLayout layout(k, n);
   Tensor workspace = at::empty({layout.bytes}, p.options().dtype(at::kByte));
   cpu::WeightGradArgs a;
   a.k = k;

@@ -257,7 +257,7 @@ struct WeightGradArgs {
   void* c = nullptr;                 // C (i, j) at c + i * ld_c + j; transpose_c: at c + j * ld_c + i
   int64_t ld_c = 0;
   bool transpose_c = false;
-  void* workspace = nullptr;         // WeightGradLayout(k, m, n).bytes, 64-byte aligned
+  void* workspace = nullptr;         // WeightGradLayout(k, n).bytes, 64-byte aligned
 };
 
 constexpr int64_t kWeightGradBlockM = 256;   // columns of P packed at a time (rows of C)
@@ -267,8 +267,7 @@ constexpr int64_t kWeightGradBlockK = 2048;  // rows of P and Q per pass (a 1 MB
 // C's rows when K spans more than one pass (offsets 64-byte aligned).
 struct WeightGradLayout {
   int64_t kp, np, q_offset, a_offset, partial_offset, bytes;
-  WeightGradLayout(int64_t k, int64_t m, int64_t n) {
-    (void)m;
+  WeightGradLayout(int64_t k, int64_t n) {
     const auto up = [](int64_t v, int64_t to) { return (v + to - 1) / to * to; };
     kp = up(k, 32);
     np = up(n, 32);

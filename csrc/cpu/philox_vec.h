@@ -24,6 +24,18 @@
 
 namespace fastformer::cpu::CPU_CAPABILITY {
 
+// The ten rounds' key words of a seed (philox_word's k0, k1 schedule), the same for every run.
+struct PhiloxKeys {
+  uint32_t k0[10], k1[10];
+  explicit PhiloxKeys(uint64_t seed) {
+    uint32_t a = static_cast<uint32_t>(seed), b = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < 10; ++round, a += 0x9E3779B9u, b += 0xBB67AE85u) {
+      k0[round] = a;
+      k1[round] = b;
+    }
+  }
+};
+
 inline void philox_words(uint64_t base, uint64_t seed, int64_t n, uint32_t* words) {
   int64_t j = 0;
 #if defined(__AVX512F__)
@@ -32,13 +44,11 @@ inline void philox_words(uint64_t base, uint64_t seed, int64_t n, uint32_t* word
     const __m512i mul1 = _mm512_set1_epi32(static_cast<int>(0xD2511F53u));
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     constexpr __mmask16 kOdd = 0xAAAA;
+    const PhiloxKeys keys(seed);
     __m512i round_key0[10], round_key1[10];
-    uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
     for (int round = 0; round < 10; ++round) {
-      round_key0[round] = _mm512_set1_epi32(static_cast<int>(k0));
-      round_key1[round] = _mm512_set1_epi32(static_cast<int>(k1));
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
+      round_key0[round] = _mm512_set1_epi32(static_cast<int>(keys.k0[round]));
+      round_key1[round] = _mm512_set1_epi32(static_cast<int>(keys.k1[round]));
     }
     // (even-lane products' high halves, odd lanes' products' high halves) and the low halves
     const auto mulhilo = [&](const __m512i& m, const __m512i& v, __m512i& hi, __m512i& lo) {
@@ -75,14 +85,11 @@ inline void philox_words(uint64_t base, uint64_t seed, int64_t n, uint32_t* word
   const __m256i mul1 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
-  // The round keys are the same for every run of counters.
+  const PhiloxKeys keys(seed);
   __m256i round_key0[10], round_key1[10];
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int round = 0; round < 10; ++round) {
-    round_key0[round] = _mm256_set1_epi32(static_cast<int>(k0));
-    round_key1[round] = _mm256_set1_epi32(static_cast<int>(k1));
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
+    round_key0[round] = _mm256_set1_epi32(static_cast<int>(keys.k0[round]));
+    round_key1[round] = _mm256_set1_epi32(static_cast<int>(keys.k1[round]));
   }
   for (; j + 8 <= n; j += 8) {
     const uint64_t first = base + static_cast<uint64_t>(j);

@@ -129,7 +129,7 @@ FF_AMX_TARGET inline void tile_block(const uint32_t* a0, const uint32_t* a1, con
 
 void weight_grad(const WeightGradArgs& a) {
   TORCH_CHECK(bf16_gemm_mode() == Bf16Gemm::kAmx, "fastformer: weight_grad runs on AMX tiles only");
-  const WeightGradLayout L(a.k, a.m, a.n);
+  const WeightGradLayout L(a.k, a.n);
   char* ws = static_cast<char*>(a.workspace);
   uint32_t* q_panels = reinterpret_cast<uint32_t*>(ws + L.q_offset);
   uint32_t* a_block = reinterpret_cast<uint32_t*>(ws + L.a_offset);

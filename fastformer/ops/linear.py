@@ -18,8 +18,9 @@ shapes; the forward's x W^T runs 1.7-2.0), where weight_grad.cpp's AMX kernel ru
 (Q) is the narrower one: (8192, 4096 x 1024) with Q the 4096 columns ran 63 ms against 45.
 
 Used by ``ff.convert`` on Hugging Face models (every nn.Linear, the LM head included) and by
-the FFN's cpu.onednn route. A call under tracing or torch.compile, or that is not a plain CPU
-tensor call, takes ``F.linear``.
+the FFN's cpu.onednn route. Under torch.compile a bf16 CPU call with a weight gradient is the
+custom op ``fastformer::linear`` (its backward takes the kernel); other traced calls and calls
+that are not plain CPU tensor calls take ``F.linear``.
 """
 from __future__ import annotations
 
