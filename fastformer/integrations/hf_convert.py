@@ -12,6 +12,8 @@ Qwen2/3, Gemma 1/2/3, T5    Gemma computes it; T5LayerNorm)
 decoder layers of those     the residual add into the next norm: ``ff.rms_norm(h, w,
                             residual=r, return_residual=True)`` (one pass instead of three)
 their MLPs                  ``ff.swiglu_ffn`` (SwiGLU; GeGLU for Gemma's tanh GELU), biases if any
+their attention modules     the rotary embedding of q and k on ``ff.apply_rotary``
+                            (integrations/hf_rotary.py)
 BERT / RoBERTa layers       self-output and output: ``ff.add_layer_norm(dropout(dense(h)), x)``;
                             intermediate + output: ``ff.ffn`` then the fused add + LayerNorm
 DistilBERT blocks           both add + LayerNorms; the FFN on ``ff.ffn``
@@ -51,6 +53,7 @@ from torch import nn
 from ..ops.ffn import ffn, swiglu_ffn
 from ..ops.linear import linear
 from ..ops.norm import add_layer_norm, rms_norm
+from .hf_rotary import convert_rotary_attention
 
 _SWAPPED: dict = {}
 
@@ -427,6 +430,7 @@ for _f in _RMS_FAMILIES:
         (lambda m: _swap(m, _SandwichDecoderLayer)) if _f.startswith(("Gemma2", "Gemma3"))
         else (lambda m: _swap(m, _PreNormDecoderLayer)))
     _CONVERTERS[f"{_f}ForCausalLM"] = _convert_causal_lm
+    _CONVERTERS[f"{_f}Attention"] = lambda m: convert_rotary_attention(m, _swap)
 for _f in ("Bert", "Roberta"):
     _CONVERTERS[f"{_f}SelfOutput"] = lambda m: _swap(m, _BertAddNorm)
     _CONVERTERS[f"{_f}Output"] = lambda m: _swap(m, _BertAddNorm)
