@@ -259,6 +259,39 @@ def test_inference_path_matches(backend, gated):
         check(f"y[{act}]", y, _eager(*up, act))
 
 
+@pytest.mark.parametrize("tokens,d,hidden", [(1, 64, 128), (17, 40, 72), (113, 80, 203)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_inference_takes_the_onednn_post_op(tokens, d, hidden, bias):
+    """bf16 without autograd, not gated: cpu.onednn's up projection, bias and activation as one
+    oneDNN call (ops/ffn.py, _CpuOnednn.fwd); one-row calls stay on linear_rows.cpp. Every
+    activation against the fp64 oracle by the error-ratio rule."""
+    from fastformer.ops import ffn as ffn_ops
+    if not ffn_ops._onednn_post_ops():
+        pytest.skip("torch's bf16 GEMMs have no AVX512-BF16 / AMX dot products here (or no mkldnn)")
+    *tensors, _ = _params(tokens, d, hidden, torch.bfloat16, False, bias)
+    exact = [t.double() if t is not None else None for t in tensors]
+    for act in ACTS:
+        with torch.no_grad(), torch.profiler.profile() as prof:
+            y = _ours(*tensors, act)
+        assert ff.last_dispatch().impl == "cpu.onednn"
+        took = any(e.name == "mkldnn::_linear_pointwise" for e in prof.events())
+        assert took == (tokens > 1), act
+        check(f"y[{act}]", y, _eager(*exact, act), _eager(*tensors, act))
+
+
+def test_onednn_post_ops_are_the_activations():
+    """The post-op table of that route, in fp32 (where exact and tanh GELU differ by ~1e-4,
+    beyond bf16's resolution of the test above): each entry computes its activation."""
+    from fastformer.ops import ffn as ffn_ops
+    if not ffn_ops._onednn_post_ops():
+        pytest.skip("torch's bf16 GEMMs have no AVX512-BF16 / AMX dot products here (or no mkldnn)")
+    x, w, b, *_ = _params(17, 40, 72, torch.float32, False, True)
+    assert set(ffn_ops._ONEDNN_POST_OPS) == set(ACTS)
+    for act, post_op in ffn_ops._ONEDNN_POST_OPS.items():
+        got = torch.ops.mkldnn._linear_pointwise(x, w, b, *post_op)
+        torch.testing.assert_close(got, ACTS[act](F.linear(x, w, b)), atol=2e-6, rtol=2e-6)
+
+
 def _layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     """x (B, L, d) as a view of another layout holding the same values."""
     if layout == "transposed":      # (L, B, d) storage: no single row stride

@@ -18,6 +18,7 @@ regenerates its mask (reference/rng.py, element index n * F + f).
 """
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -345,6 +346,25 @@ class _CpuOnednn(_VendorGemm):
             return y if out is None else out.copy_(y)
         return _VendorGemm._linear(a, w, b, out)
 
+    def fwd(self, x, w1, b1, w2, b2, w_up, b_up, o):
+        """Without a backward to come, a bf16 FFN that is not gated takes its up projection,
+        bias and activation as one oneDNN call (torch's mkldnn linear with the activation as a
+        post-op: applied to the fp32 accumulator before the bf16 store, no second pass over
+        the (N, F) hidden). bf16 forward, median of 9 interleaved, 2-core Xeon: relu (4096,
+        768, 3072) 24.6 -> 16.5 ms, GELU 27.9 -> 21.0 (eager 25.8), GELU (8192, 1024, 4096)
+        92.8 -> 89.1, (1024, 768, 3072) 7.9 -> 7.5. Gated, the gate as a binary post-op of the
+        up projection measured 0.95-1.04x of the fused elementwise pass (SwiGLU (2048, 4096,
+        11008), (1024, 2048, 5632), (1024, 1024, 2816); GeGLU (2048, 2048, 5632)): not taken."""
+        x2 = x.reshape(-1, x.shape[-1])
+        post_op = _ONEDNN_POST_OPS.get(ACTIVATIONS[o.activation])
+        if (w_up is not None or o.store_preactivation or o.dropout_p or post_op is None
+                or x2.dtype != torch.bfloat16 or not _onednn_post_ops()
+                or rows_kernel_takes(x2, w1, b1)
+                or not all(t is None or t.is_contiguous() for t in (x2, w1, b1))):
+            return super().fwd(x, w1, b1, w2, b2, w_up, b_up, o)
+        h = torch.ops.mkldnn._linear_pointwise(x2, w1, b1, *post_op)
+        return self._linear(h, w2, b2).reshape(x.shape), x.new_empty((0,))
+
     def reasons(self, call):
         why = super().reasons(call)
         if why:
@@ -381,6 +401,18 @@ def _torch_fp32_gemm_wins():
     if vendor == "GenuineIntel" and torch.backends.mkl.is_available():
         return True, "torch's fp32 GEMM is MKL on an Intel CPU"
     return False, f"the packed kernel is faster than torch's fp32 GEMM on this CPU ({vendor or 'unknown vendor'})"
+
+
+# ff's activation -> (attr, scalars, algorithm) of torch.ops.mkldnn._linear_pointwise.
+_ONEDNN_POST_OPS = {"relu": ("relu", [], ""), "gelu": ("gelu", [], "none"),
+                    "gelu_tanh": ("gelu", [], "tanh"), "silu": ("swish", [], "")}
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_post_ops() -> bool:
+    """Whether torch has its mkldnn linear with post-ops and runs bf16 on dot products here."""
+    return (torch.backends.mkldnn.is_available() and _fast_bf16_gemm()
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 def _fast_bf16_gemm() -> bool:
