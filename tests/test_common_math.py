@@ -162,8 +162,11 @@ def test_batched_philox_matches_reference_rng(tmp_path, isa):
     subprocess.run([CXX, "-std=c++17", "-O1", *flags, "-I", str(ROOT / "csrc"),
                     str(ROOT / "tests/cpp/common_math_harness.cpp"), "-o", str(exe)],
                    check=True, capture_output=True, text=True)
+    # Four elements per counter: runs starting at each offset mod 4, whole and partial blocks of
+    # 64 (AVX-512) and 32 (AVX2) words, counters whose low word wraps inside a block.
     runs = [(0, 0, 37), (7, 2**32 - 13, 40), (2**62 - 1, 2**33 - 3, 17), (12345, 2**62 + 5, 64),
-            (1, 2**64 - 20, 19), (99, 1000, 1)]
+            (1, 2**64 - 20, 19), (99, 1000, 1), (5, 4, 64), (5, 1, 64), (5, 2, 65), (5, 3, 130),
+            (5, 6, 31), (11, 2**34 - 9, 100), (11, 2**34 - 64, 200), (3, 2**64 - 70, 70)]
     commands = "\n".join(f"philox_run {seed} {base} {n}" for seed, base, n in runs) + "\n"
     out = subprocess.run([str(exe)], input=commands, check=True, capture_output=True, text=True)
     for (seed, base, n), line in zip(runs, out.stdout.splitlines()):

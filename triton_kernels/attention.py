@@ -72,7 +72,7 @@ import triton.language as tl
 from . import interpreter_mode
 from .attention_options import (band_mask, head_terms, key_blocks, make_band, option_grads,
                                 query_blocks, score_terms, sequence)
-from .common import LOG2E, cast_to
+from .common import LOG2E, cast_to, dropout_word
 from .common import dot_operand as _operand  # bf16 tl.dot operands upcast under the interpreter
 
 
@@ -128,10 +128,9 @@ def _scores(qk, q_idx, k_idx, mask_ptrs, kpm_ptrs, Lq, Lk, band, terms,
 
 @triton.jit
 def _dropout_keep(seed, rng_q, k_idx, drop_threshold):
-    """Keep mask of reference/rng.py: Philox word of counter rng_q + k_idx (int64, rng_q =
+    """Keep mask of reference/rng.py: the Philox word of element rng_q + k_idx (int64, rng_q =
     offset + (bh * Lq + i) * Lk) kept iff word >= threshold, compared as uint32."""
-    word = tl.randint(seed, rng_q + k_idx)
-    return word >= drop_threshold.to(tl.uint32)
+    return dropout_word(seed, rng_q + k_idx) >= drop_threshold.to(tl.uint32)
 
 
 # Pointers: a program computes int64 scalar bases (batch, head, block start) and adds int32

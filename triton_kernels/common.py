@@ -44,3 +44,12 @@ def tanh(x):
                                                                  + x2 * (62.0 / 2835.0)))))
     r = tl.where(a < 0.25, poly, (1.0 - e) / (1.0 + e))
     return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def dropout_word(seed, element):
+    """The dropout word of int64 element numbers (csrc/common/philox.h, reference/rng.py): word
+    element % 4 of Philox4x32-10 at counter element // 4 (tl.randint4x's four words)."""
+    w0, w1, w2, w3 = tl.randint4x(seed, element >> 2)
+    which = element & 3
+    return tl.where(which < 2, tl.where(which == 0, w0, w1), tl.where(which == 2, w2, w3))

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from . import interpreter_mode
-from .common import cast_to, dot_operand
+from .common import cast_to, dot_operand, dropout_word
 
 ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU = 0, 1, 2, 3      # csrc/common/activations.h codes
 MODE_FWD_SAVE, MODE_FWD_ACT, MODE_BWD = 0, 1, 2               # ffn_act_matmul_kernel
@@ -82,8 +82,8 @@ def _act_grad(x, ACT: tl.constexpr):
 @triton.jit
 def _keep_scale(tok, unit, hidden, seed, rng_offset, drop_threshold, drop_scale):
     """keep / (1 - p) for tokens tok (column vector) x units unit (row vector), or the transpose:
-    Philox word of counter rng_offset + token * hidden + unit (reference/rng.py)."""
-    word = tl.randint(seed, rng_offset + tok.to(tl.int64) * hidden + unit)
+    Philox word of element rng_offset + token * hidden + unit (reference/rng.py)."""
+    word = dropout_word(seed, rng_offset + tok.to(tl.int64) * hidden + unit)
     return tl.where(word >= drop_threshold.to(tl.uint32), drop_scale, 0.0)
 
 

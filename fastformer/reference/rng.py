@@ -1,9 +1,9 @@
-"""The dropout RNG of every backend, in PyTorch: Philox4x32-10, one word per element.
+"""The dropout RNG of every backend, in PyTorch: Philox4x32-10, four elements per call.
 
-Bit-exact twin of csrc/common/philox.h (and of Triton's tl.randint with a 64-bit offset): the
-word for element e is c0 of Philox(counter = (offset + e) split into low/high 32 bits, 0, 0;
-key = seed split into low/high 32 bits). Kept iff word >= round(p * 2^32). The tests use
-:func:`keep_mask` to recompute the exact mask a kernel used.
+Bit-exact twin of csrc/common/philox.h (and of Triton's tl.randint4x with a 64-bit offset):
+element e (offset + index, a 64-bit number) takes word e mod 4 of Philox(counter = e // 4 split
+into low/high 32 bits, 0, 0; key = seed split into low/high 32 bits). Kept iff word >=
+round(p * 2^32). The tests use :func:`keep_mask` to recompute the exact mask a kernel used.
 """
 from __future__ import annotations
 
@@ -23,12 +23,14 @@ def threshold(p: float) -> int:
     return min(t, _M32)
 
 
-def philox_words(counters: torch.Tensor, seed: int) -> torch.Tensor:
-    """uint32 words (as int64) for int64 counters (any shape)."""
-    c0 = counters & _M32
-    c1 = (counters >> 32) & _M32
-    c2 = torch.zeros_like(counters)
-    c3 = torch.zeros_like(counters)
+def philox_words(elements: torch.Tensor, seed: int) -> torch.Tensor:
+    """uint32 dropout words (as int64) of int64 element numbers (any shape; a negative value
+    is the 64-bit number it stands for)."""
+    group = (elements >> 2) & ((1 << 62) - 1)  # the 64-bit number's logical shift
+    c0 = group & _M32
+    c1 = (group >> 32) & _M32
+    c2 = torch.zeros_like(group)
+    c3 = torch.zeros_like(group)
     k0, k1 = seed & _M32, (seed >> 32) & _M32
     for _ in range(10):
         prod_b = 0xCD9E8D57 * c2  # < 2**64: wraps in int64, low 64 bits stay exact
@@ -40,7 +42,7 @@ def philox_words(counters: torch.Tensor, seed: int) -> torch.Tensor:
         c0, c2 = new_c0, new_c2
         k0 = (k0 + 0x9E3779B9) & _M32
         k1 = (k1 + 0xBB67AE85) & _M32
-    return c0
+    return torch.stack([c0, c1, c2, c3], -1).gather(-1, (elements & 3).unsqueeze(-1)).squeeze(-1)
 
 
 def keep_mask(rng_state: torch.Tensor, shape, p: float, device=None) -> torch.Tensor:
