@@ -286,6 +286,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("ffn_act_bwd", &cb::ffn_act_bwd, py::arg("dh"), py::arg("gate"), py::arg("up"),
         py::arg("activation"), py::arg("need_h"), py::arg("dropout_p") = 0.0,
         py::arg("rng_state") = py::none());
+  m.def("dropout", &cb::dropout, "x * keep / (1 - p) with the FFN's Philox mask (ops/dropout.py)",
+        py::arg("x"), py::arg("p"), py::arg("rng_state"));
   m.def("lce_rows", &cb::lce_rows, "linear_cross_entropy: the row pass over a chunk of logits");
   m.def("lce_pair_add", &cb::lce_pair_add, "hi + lo += p (compensated bf16/fp16 accumulation)",
         py::arg("hi"), py::arg("lo"), py::arg("p"), py::arg("read_lo") = true, py::arg("write_lo") = true);

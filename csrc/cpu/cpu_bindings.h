@@ -827,6 +827,20 @@ inline std::vector<Tensor> ffn_act_bwd(const Tensor& dh, const Tensor& gate,
   return {d_gate, d_up, h};
 }
 
+// dropout(x, p, rng_state) -> x * keep / (1 - p), keep of element e of the (rows, cols) matrix x
+// (contiguous rows) as the FFN's mask: Philox(seed, offset + e) >= threshold. Its backward is
+// the same call on the gradient.
+inline Tensor dropout(const Tensor& x, double p, const Tensor& rng_state) {
+  TORCH_CHECK(p > 0.0 && p < 1.0, "fastformer._C.dropout: p must be in (0, 1), got ", p);
+  cpu::FfnActArgs a = ffn_act_args(x, std::nullopt, 0, p, rng_state);
+  a.identity = true;  // with activation 0 (any code: not applied)
+  Tensor y = at::empty(x.sizes(), x.options());
+  a.h = y.data_ptr();
+  a.ld_h = y.stride(0);
+  run_ffn_act(a);
+  return y;
+}
+
 // ---- few-row linear (decoding) ------------------------------------------------------------------
 // linear_rows(x (rows <= 8, in), weight (out, in), bias) -> x W^T + b in x's dtype. x is
 // converted to f32 (a few rows), the weight and bias are read in place.

@@ -231,6 +231,7 @@ struct FfnActArgs {
   int64_t ld_d_up = 0;
   double dropout_p = 0.0;            // h *= keep / (1 - p), keep = Philox(seed, offset + r * cols + c)
   uint64_t seed = 0, offset = 0;     //   >= dropout_threshold(p) (ffn.cpp's mask, element for element)
+  bool identity = false;             // no activation, no up: h = gate * keep / (1 - p) (dropout alone)
 };
 
 // y = x W^T (+ b) for 1-8 rows of x (csrc/cpu/linear_rows.cpp): the decode-time projections.

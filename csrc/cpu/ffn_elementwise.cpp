@@ -13,6 +13,8 @@
 // one rounding per output. Eager PyTorch's SwiGLU backward makes three passes over saved
 // act(g), u and dh plus the autograd sums; recomputing act(g) here costs a few vector
 // instructions per element, against a memory pass saved.
+// With identity set, the pass is dropout alone, h = g * m (ops/dropout.py runs it on x forward
+// and on dy backward).
 // One task per block of rows (at::parallel_for); rows are contiguous (column stride 1), any row
 // stride (g and u are the two halves of one (rows, 2F) buffer).
 #include <ATen/Parallel.h>
@@ -32,6 +34,17 @@ namespace {
 constexpr int64_t kElementsPerTask = 32768;  // parallel grain: enough work to pay a wake-up
 constexpr int64_t kMaskRun = 256;            // dropout factors drawn at a time (a multiple of kV)
 
+// factors[0, run) = keep / (1 - p) of row r's elements [c, c + run) (0 where dropped), then 0 up
+// to the next multiple of kV (a tail's unused lanes).
+template <typename A, int64_t kV>
+inline void mask_factors(const FfnActArgs& a, int64_t r, int64_t c, int64_t run, uint32_t threshold,
+                         A scale, uint32_t* words, A* factors) {
+  philox_words(a.offset + static_cast<uint64_t>(r * a.cols + c), a.seed, run, words);
+  std::fill(factors, factors + run, scale);
+  zero_dropped(words, run, threshold, factors);
+  std::fill(factors + run, factors + (run + kV - 1) / kV * kV, A(0));
+}
+
 template <typename T, Activation Act>
 void ffn_act_typed(const FfnActArgs& a) {
   using A = acc_t<T>;
@@ -40,6 +53,7 @@ void ffn_act_typed(const FfnActArgs& a) {
   constexpr int64_t kV = V::size();
   const int64_t n = a.cols;
   const bool gated = a.up != nullptr, backward = a.dh != nullptr, dropout = a.dropout_p > 0;
+  const bool identity = a.identity;  // dropout alone: h = g * m (forward only; ops/dropout.py)
   const uint32_t threshold = dropout ? dropout_threshold(a.dropout_p) : 0;
   const A scale = dropout ? static_cast<A>(1.0 / (1.0 - a.dropout_p)) : A(1);
   const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(n, 1));
@@ -56,17 +70,13 @@ void ffn_act_typed(const FfnActArgs& a) {
       for (int64_t c = 0; c < n; c += kV) {
         const int64_t w = std::min(kV, n - c);
         if (dropout && c % kMaskRun == 0) {
-          const int64_t run = std::min(kMaskRun, n - c);
-          philox_words(a.offset + static_cast<uint64_t>(r * n + c), a.seed, run, words);
-          std::fill(factors, factors + run, scale);
-          zero_dropped(words, run, threshold, factors);
-          std::fill(factors + run, factors + (run + kV - 1) / kV * kV, A(0));  // a tail's unused lanes
+          mask_factors<A, kV>(a, r, c, std::min(kMaskRun, n - c), threshold, scale, words, factors);
         }
         const V mv = dropout ? V::loadu(factors + c % kMaskRun) : V(A(1));
         const V gv = w == kV ? load_acc(g + c) : load_acc(g + c, w);
         const V uv = gated ? (w == kV ? load_acc(u + c) : load_acc(u + c, w)) : V(A(1));
         if (!backward) {
-          V hv = activation<Act, V, M>(gv);
+          V hv = identity ? gv : activation<Act, V, M>(gv);
           if (gated) hv = hv * uv;
           if (dropout) hv = hv * mv;
           store_acc(h + c, hv, w);

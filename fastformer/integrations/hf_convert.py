@@ -25,6 +25,8 @@ T5 feed-forward             DenseReluDense on ``ff.ffn`` (dropout fused); the ga
 T5 attention's bias         ``ff.RelativePositionBias`` on the layer's table, computed inside the
                             attention kernels (no (1, H, Lq, Lk) bias tensor)
 GPT-2's Conv1D             as nn.Linear below, on the weight's transpose (a view)
+nn.Dropout (every one)      ops/dropout.py in training: the kernels' Philox mask, one pass,
+                            regenerated in the backward (torch's bernoulli_ ~5 ns per element)
 nn.Linear (every one)       ops/linear.py: calls of 1-8 rows without autograd (decode steps) on
                             its kernel, which reads the weights at up to 3x torch's GEMV rate;
                             bf16 weight gradients on AMX tiles from 1024 tokens (1.1-2.0x
@@ -50,6 +52,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from ..ops.dropout import dropout
 from ..ops.ffn import ffn, swiglu_ffn
 from ..ops.linear import linear
 from ..ops.norm import add_layer_norm, rms_norm
@@ -340,6 +343,17 @@ class _FewRowsLinear:
         return linear(x, self.weight, self.bias)
 
 
+class _FastDropout:
+    """nn.Dropout in training on ops/dropout.py (the Philox mask, regenerated in the backward);
+    eval, p = 0, inplace and compiled calls run nn.Dropout's forward."""
+    _ff_what = "ops/dropout.py (fastformer's Philox mask)"
+
+    def forward(self, input):
+        if not self.training or self.p == 0.0 or self.inplace or torch.compiler.is_compiling():
+            return super().forward(input)
+        return dropout(input, self.p)
+
+
 class _Conv1DLinear:
     """GPT-2's Conv1D (weight (in, out), y = x W + b) as ops/linear.py's linear on the weight's
     transpose (a view): bf16 training takes the weight gradient from the AMX kernel."""
@@ -447,6 +461,7 @@ _CONVERTERS.update({
     "GPT2LMHeadModel": _convert_causal_lm,
     "T5Attention": _convert_t5_attention,
     "Linear": lambda m: _swap(m, _FewRowsLinear) if type(m) is nn.Linear else "a subclass of nn.Linear",
+    "Dropout": lambda m: _swap(m, _FastDropout) if type(m) is nn.Dropout else "a subclass of nn.Dropout",
     "Conv1D": lambda m: (_swap(m, _Conv1DLinear) if type(m).__module__.startswith("transformers.")
                          else "not transformers' Conv1D"),
 })
