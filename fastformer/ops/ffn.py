@@ -348,7 +348,7 @@ class _CpuOnednn(_VendorGemm):
 
     def fwd(self, x, w1, b1, w2, b2, w_up, b_up, o):
         """Without a backward to come, a bf16 FFN that is not gated takes its up projection,
-        bias and activation as one oneDNN call (torch's mkldnn linear with the activation as a
+        bias and activation (on CPUs with AMX: _onednn_post_ops) as one oneDNN call (torch's mkldnn linear with the activation as a
         post-op: applied to the fp32 accumulator before the bf16 store, no second pass over
         the (N, F) hidden). bf16 forward, median of 9 interleaved, 2-core Xeon: relu (4096,
         768, 3072) 24.6 -> 16.5 ms, GELU 27.9 -> 21.0 (eager 25.8), GELU (8192, 1024, 4096)
@@ -410,8 +410,10 @@ _ONEDNN_POST_OPS = {"relu": ("relu", [], ""), "gelu": ("gelu", [], "none"),
 
 @functools.lru_cache(maxsize=None)
 def _onednn_post_ops() -> bool:
-    """Whether torch has its mkldnn linear with post-ops and runs bf16 on dot products here."""
-    return (torch.backends.mkldnn.is_available() and _fast_bf16_gemm()
+    """Whether torch has its mkldnn linear with post-ops and runs bf16 on AMX tiles here (the
+    CPUs it was measured on; AVX512-BF16 without AMX, e.g. Zen 5, not measured: addmm there)."""
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return (torch.backends.mkldnn.is_available() and bool(amx and amx())
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
