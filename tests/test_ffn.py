@@ -267,7 +267,8 @@ def test_bf16_inference_takes_the_onednn_post_op(tokens, d, hidden, bias):
     activation against the fp64 oracle by the error-ratio rule."""
     from fastformer.ops import ffn as ffn_ops
     if not ffn_ops._onednn_post_ops():
-        pytest.skip("the route is taken where torch's bf16 GEMMs run on AMX tiles (or no mkldnn here)")
+        pytest.skip("the route is taken where torch's bf16 GEMMs have AMX / AVX512-BF16 dot products "
+                    "and mkldnn is built in: neither here")
     *tensors, _ = _params(tokens, d, hidden, torch.bfloat16, False, bias)
     exact = [t.double() if t is not None else None for t in tensors]
     for act in ACTS:
@@ -284,7 +285,8 @@ def test_onednn_post_ops_are_the_activations():
     beyond bf16's resolution of the test above): each entry computes its activation."""
     from fastformer.ops import ffn as ffn_ops
     if not ffn_ops._onednn_post_ops():
-        pytest.skip("the route is taken where torch's bf16 GEMMs run on AMX tiles (or no mkldnn here)")
+        pytest.skip("the route is taken where torch's bf16 GEMMs have AMX / AVX512-BF16 dot products "
+                    "and mkldnn is built in: neither here")
     x, w, b, *_ = _params(17, 40, 72, torch.float32, False, True)
     assert set(ffn_ops._ONEDNN_POST_OPS) == set(ACTS)
     for act, post_op in ffn_ops._ONEDNN_POST_OPS.items():

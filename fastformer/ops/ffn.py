@@ -348,13 +348,18 @@ class _CpuOnednn(_VendorGemm):
 
     def fwd(self, x, w1, b1, w2, b2, w_up, b_up, o):
         """Without a backward to come, a bf16 FFN that is not gated takes its up projection,
-        bias and activation (on CPUs with AMX: _onednn_post_ops) as one oneDNN call (torch's mkldnn linear with the activation as a
+        bias and activation as one oneDNN call (torch's mkldnn linear with the activation as a
         post-op: applied to the fp32 accumulator before the bf16 store, no second pass over
-        the (N, F) hidden). bf16 forward, median of 9 interleaved, 2-core Xeon: relu (4096,
-        768, 3072) 24.6 -> 16.5 ms, GELU 27.9 -> 21.0 (eager 25.8), GELU (8192, 1024, 4096)
-        92.8 -> 89.1, (1024, 768, 3072) 7.9 -> 7.5. Gated, the gate as a binary post-op of the
-        up projection measured 0.95-1.04x of the fused elementwise pass (SwiGLU (2048, 4096,
-        11008), (1024, 2048, 5632), (1024, 1024, 2816); GeGLU (2048, 2048, 5632)): not taken."""
+        the (N, F) hidden), on CPUs whose torch bf16 GEMMs have dot-product instructions
+        (_onednn_post_ops). bf16 forward, median of 9-11 interleaved, against torch's addmm and
+        our activation pass: 2-core Xeon (AMX) relu (4096, 768, 3072) 24.6 -> 16.5 ms, GELU
+        27.9 -> 21.0 (eager 25.8), GELU (8192, 1024, 4096) 92.8 -> 89.1, (1024, 768, 3072) 7.9
+        -> 7.5; 2-core Zen 4 (AVX512-BF16) relu (4096, 768, 3072) 112.3 -> 104.8 (eager 111.2),
+        GELU 110.3 -> 107.3, GELU (8192, 1024, 4096) 416 -> 404, GELU (1024, 768, 3072) 27.3
+        -> 27.0, tanh GELU 28.0 -> 26.5. Gated, the gate as a binary post-op of the
+        up projection measured 0.95-1.04x of the fused elementwise pass on the Xeon (SwiGLU
+        (2048, 4096, 11008), (1024, 2048, 5632), (1024, 1024, 2816); GeGLU (2048, 2048, 5632)):
+        not taken."""
         x2 = x.reshape(-1, x.shape[-1])
         post_op = _ONEDNN_POST_OPS.get(ACTIVATIONS[o.activation])
         if (w_up is not None or o.store_preactivation or o.dropout_p or post_op is None
@@ -410,10 +415,9 @@ _ONEDNN_POST_OPS = {"relu": ("relu", [], ""), "gelu": ("gelu", [], "none"),
 
 @functools.lru_cache(maxsize=None)
 def _onednn_post_ops() -> bool:
-    """Whether torch has its mkldnn linear with post-ops and runs bf16 on AMX tiles here (the
-    CPUs it was measured on; AVX512-BF16 without AMX, e.g. Zen 5, not measured: addmm there)."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return (torch.backends.mkldnn.is_available() and bool(amx and amx())
+    """Whether torch has its mkldnn linear with post-ops and runs bf16 on dot-product
+    instructions here (AMX or AVX512-BF16: measured faster on both, _CpuOnednn.fwd)."""
+    return (torch.backends.mkldnn.is_available() and _fast_bf16_gemm()
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
