@@ -256,7 +256,7 @@ class _Cpu(_Compiled):
     backend = "cpu"
     features = _NORM_FEATURES | {"rows_strided"}
     fwd, bwd_kernel = compiled("add_norm_fwd"), compiled("add_norm_bwd")
-    # The same kernels behind a C++ autograd node (csrc/cpu/cpu_bindings.h): no Python in the
+    # The same kernels behind a C++ autograd node (csrc/cpu/bindings/norm.h): no Python in the
     # forward's bookkeeping or the backward (~0.1-0.2 ms per step on small rows).
     autograd = compiled("add_norm_autograd")
 
