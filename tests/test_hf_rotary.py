@@ -75,13 +75,36 @@ def test_rotary_on_the_kernel_matches_unconverted_fp32(name, length, kernel_call
     out, grads = _run(report.model, ids)
     assert len(kernel_calls) == 2 * LAYERS  # q and k of every layer
     ref, ref_grads = _run(model.double(), ids)
+    _assert_matches_fp64(out, grads, ref, ref_grads)
+
+
+def _assert_matches_fp64(out, grads, ref, ref_grads, prefix=""):
+    """Logits within 1e-5 of their scale, every parameter gradient within 1e-5 of its scale
+    (floored at 1% of the largest gradient's)."""
     assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), "logits"
     floor = 0.01 * max(r.abs().max().item() for r in ref_grads.values() if r is not None)
     for n, r in ref_grads.items():
         if r is None:
             continue
         s = max(r.abs().max().item(), floor)
-        assert (grads[n].double() - r).abs().max().item() <= 1e-5 * s, f"d{n}"
+        assert (grads[prefix + n].double() - r).abs().max().item() <= 1e-5 * s, f"d{n}"
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_converted_model_compiles_fullgraph(name, kernel_calls):
+    """ff.convert then torch.compile(fullgraph=True), forward and backward: the converted
+    attention runs transformers' own forward under the compiler (hf_rotary._eager_only; the
+    copy with its own globals broke dynamo's guards), its eager calls stay on the kernel."""
+    torch._dynamo.reset()
+    model = _model(name)
+    ours = ff.convert(copy.deepcopy(model)).model
+    ids = _ids(length=17)
+    out, grads = _run(torch.compile(ours, fullgraph=True), ids)
+    assert not kernel_calls
+    ref, ref_grads = _run(model.double(), ids)
+    _assert_matches_fp64(out, grads, ref, ref_grads, prefix="_orig_mod.")
+    _run(ours, ids)
+    assert len(kernel_calls) == 2 * LAYERS
 
 
 def test_rotary_on_the_kernel_bf16_error_ratio(kernel_calls):

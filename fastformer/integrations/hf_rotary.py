@@ -13,8 +13,9 @@ when the class was first converted). Only modules whose ``apply_rotary_pos_emb``
 rotate_half form above (compared by bytecode with Llama's) are converted. A call the kernel does
 not take runs the original function: cos / sin that differ between the rows of a batch
 (per-row positions, e.g. left-padded generation), tables whose two halves differ (not the
-rotate_half form), tables that require grad, ``unsqueeze_dim`` other than 1, and calls under
-torch.compile (which fuses the original's elementwise chain itself).
+rotate_half form), tables that require grad and ``unsqueeze_dim`` other than 1. Under
+torch.compile the converted forward is the original one (see :func:`_eager_only`): inductor
+fuses its elementwise chain itself.
 
 Llama-style 4 x 2048 (32 heads of 64), 1 x 1024 tokens, bf16 inference on the 2-core Xeon: the
 rotary's multiplies, adds, negations and concatenations took 10-15 ms of the converted model's
@@ -109,6 +110,21 @@ def _with_global(fn: Callable, name: str, value) -> tuple[Callable, bool]:
     return functools.update_wrapper(new, fn), found
 
 
+def _eager_only(patched: Callable, forward: Callable) -> Callable:
+    """`patched` (the forward's copy with its own globals) on eager calls, the class's own
+    `forward` under torch.compile. Dynamo reads a function's globals as its module's
+    (sys.modules[__globals__["__name__"]]), so tracing the copy guarded on the module's
+    ``apply_rotary_pos_emb``, which is transformers' function, not ours: every converted
+    Llama-family model failed to compile ("'NoneType' object is not subscriptable" building a
+    closure guard). Compiled, inductor fuses the original's elementwise rotation itself."""
+    @functools.wraps(forward)
+    def forward_(self, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return forward(self, *args, **kwargs)
+        return patched(self, *args, **kwargs)
+    return forward_
+
+
 def _innermost(fn: Callable) -> Callable:
     while hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__
@@ -142,7 +158,7 @@ def rotary_mixin(cls: type):
         result = None, f"its module's {GLOBAL} is not Llama's rotate_half form"
     else:
         patched, found = _with_global(forward, GLOBAL, _fused(original))
-        result = ((type("_RotaryAttention", (), {"forward": patched,
+        result = ((type("_RotaryAttention", (), {"forward": _eager_only(patched, forward),
                                                  "_ff_what": "the rotary embedding of q and k on ff.apply_rotary"}), None)
                   if found else (None, f"its forward does not call {GLOBAL}"))
     _MIXINS[cls] = result
