@@ -24,6 +24,9 @@ T5 feed-forward             DenseReluDense on ``ff.ffn`` (dropout fused); the ga
                             ``ff.swiglu_ffn`` when no dropout runs
 T5 attention's bias         ``ff.RelativePositionBias`` on the layer's table, computed inside the
                             attention kernels (no (1, H, Lq, Lk) bias tensor)
+nn.Embedding (every one)    ops/embedding.py: under torch.compile the backward is aten's
+                            kernel (inductor's own scatter-add took 200 ms of a compiled bf16
+                            Mistral-style training step, aten's ~30); eager calls unchanged
 GPT-2's Conv1D             as nn.Linear below, on the weight's transpose (a view)
 nn.Dropout (every one)      ops/dropout.py in training: the kernels' Philox mask, one pass,
                             regenerated in the backward (torch's bernoulli_ ~5 ns per element)
@@ -53,6 +56,7 @@ import torch
 from torch import nn
 
 from ..ops.dropout import dropout
+from ..ops.embedding import embedding
 from ..ops.ffn import ffn, swiglu_ffn
 from ..ops.linear import linear
 from ..ops.norm import add_layer_norm, rms_norm
@@ -354,6 +358,18 @@ class _FastDropout:
         return dropout(input, self.p)
 
 
+class _CompiledEmbedding:
+    """nn.Embedding on ops/embedding.py: the same lookup; under torch.compile its backward is
+    aten's kernel, not inductor's generated scatter-add (3x slower on a bf16 vocab table).
+    max_norm (renormalizes the weight in place) and sparse gradients run nn.Embedding's forward."""
+    _ff_what = "ops/embedding.py (aten's embedding backward under torch.compile)"
+
+    def forward(self, input):
+        if self.max_norm is not None or self.sparse:
+            return super().forward(input)
+        return embedding(input, self.weight, self.padding_idx, self.scale_grad_by_freq)
+
+
 class _Conv1DLinear:
     """GPT-2's Conv1D (weight (in, out), y = x W + b) as ops/linear.py's linear on the weight's
     transpose (a view): bf16 training takes the weight gradient from the AMX kernel."""
@@ -462,6 +478,8 @@ _CONVERTERS.update({
     "T5Attention": _convert_t5_attention,
     "Linear": lambda m: _swap(m, _FewRowsLinear) if type(m) is nn.Linear else "a subclass of nn.Linear",
     "Dropout": lambda m: _swap(m, _FastDropout) if type(m) is nn.Dropout else "a subclass of nn.Dropout",
+    "Embedding": (lambda m: _swap(m, _CompiledEmbedding) if type(m) is nn.Embedding
+                  else "a subclass of nn.Embedding"),
     "Conv1D": lambda m: (_swap(m, _Conv1DLinear) if type(m).__module__.startswith("transformers.")
                          else "not transformers' Conv1D"),
 })
