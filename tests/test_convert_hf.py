@@ -97,6 +97,12 @@ def test_converted_family_matches_unconverted_fp32(name):
     assert ours_model.config._attn_implementation == "fastformer"
     inputs = _inputs(name)
     out, grads = _run(ours_model, inputs)
+    _assert_matches_fp64(out, grads, model, inputs)
+
+
+def _assert_matches_fp64(out, grads, model, inputs, prefix=""):
+    """Outputs within 1e-5 of their scale and every parameter gradient within 1e-5 of its own
+    (names in `grads` prefixed by `prefix`), against `model` run in fp64."""
     ref, ref_grads = _run(copy.deepcopy(model).double(), inputs)
     scale = ref.abs().max().item()
     assert (out.double() - ref).abs().max().item() <= 1e-5 * scale, "outputs"
@@ -104,12 +110,24 @@ def test_converted_family_matches_unconverted_fp32(name):
     # arithmetic (a key bias's gradient is 0: softmax ignores a constant per row).
     floor = 0.01 * max(r.abs().max().item() for r in ref_grads.values() if r is not None)
     for n, r in ref_grads.items():
-        g = grads[n]
+        g = grads[prefix + n]
         if r is None:
             assert g is None or not g.any(), n
             continue
         s = max(r.abs().max().item(), floor)
         assert (g.double() - r).abs().max().item() <= 1e-5 * s, f"d{n}"
+
+
+@pytest.mark.parametrize("name", ["mistral", "bert", "distilbert", "gpt2", "t5", "vit"])
+def test_converted_family_compiles_fullgraph(name):
+    """ff.convert then torch.compile(fullgraph=True), forward and backward, against the
+    unconverted fp64 model (Llama and Gemma 2: tests/test_hf_rotary.py)."""
+    torch._dynamo.reset()
+    model = _model(name)
+    ours_model = ff.convert(model, inplace=False).model
+    inputs = _inputs(name)
+    out, grads = _run(torch.compile(ours_model, fullgraph=True), inputs)
+    _assert_matches_fp64(out, grads, model, inputs, prefix="_orig_mod.")
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2", "bert", "gpt2", "t5-gated", "vit"])
