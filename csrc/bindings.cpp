@@ -1,7 +1,7 @@
 // Python bindings of fastformer._C: the CPU capability level and AMX state, and the module's
 // functions. The tensor glue lives beside each backend's kernels: csrc/cpu/cpu_bindings.h (CPU
-// tensors, one op family per file under csrc/cpu/bindings/) and csrc/cuda/cuda_bindings.h (CUDA tensors, the cuda_* functions, only when built
-// with CUDA). Each function takes one backend's tensors: the Python selection
+// tensors, one op family per file under csrc/cpu/bindings/) and csrc/cuda/cuda_bindings.h (CUDA
+// tensors, the cuda_* functions, only when built with CUDA). Each function takes one backend's tensors: the Python selection
 // (fastformer/backends.py) has decided the backend, nothing here dispatches on device again.
 // Options arrive as the structs of csrc/options.h, filled from the Python option objects.
 #include <cstdlib>

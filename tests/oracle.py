@@ -106,3 +106,20 @@ def check(name: str, ours: torch.Tensor, oracle: torch.Tensor, torch_lowp: torch
                          max(LOWP_ATOL[ours.dtype], atol))
     else:
         assert_close_tol(name, ours, oracle, atol, rtol)
+
+
+def assert_model_matches(out, grads, ref, ref_grads, prefix=""):
+    """A model's output within 1e-5 of the fp64 reference's scale and every parameter gradient
+    (`grads` keyed by the reference's names with `prefix`, e.g. "_orig_mod." for a compiled
+    module) within 1e-5 of its own scale, floored at 1% of the largest gradient's where it is ~0
+    in exact arithmetic (a key bias's gradient is 0: softmax ignores a constant per row); a
+    gradient the reference does not have must be absent or zero."""
+    assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), "outputs"
+    floor = 0.01 * max(r.abs().max().item() for r in ref_grads.values() if r is not None)
+    for n, r in ref_grads.items():
+        g = grads[prefix + n]
+        if r is None:
+            assert g is None or not g.any(), n
+            continue
+        s = max(r.abs().max().item(), floor)
+        assert (g.double() - r).abs().max().item() <= 1e-5 * s, f"d{n}"

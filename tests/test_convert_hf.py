@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from oracle import GRAD_FACTOR, LOWP_ATOL, OUT_FACTOR, assert_lowp_rule
+from oracle import GRAD_FACTOR, LOWP_ATOL, OUT_FACTOR, assert_lowp_rule, assert_model_matches
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face conversion needs transformers")
 
@@ -101,21 +101,9 @@ def test_converted_family_matches_unconverted_fp32(name):
 
 
 def _assert_matches_fp64(out, grads, model, inputs, prefix=""):
-    """Outputs within 1e-5 of their scale and every parameter gradient within 1e-5 of its own
-    (names in `grads` prefixed by `prefix`), against `model` run in fp64."""
+    """`out` and `grads` against `model` run in fp64 (oracle.assert_model_matches)."""
     ref, ref_grads = _run(copy.deepcopy(model).double(), inputs)
-    scale = ref.abs().max().item()
-    assert (out.double() - ref).abs().max().item() <= 1e-5 * scale, "outputs"
-    # The scale of a gradient: its own, or 1% of the largest one where it is ~0 in exact
-    # arithmetic (a key bias's gradient is 0: softmax ignores a constant per row).
-    floor = 0.01 * max(r.abs().max().item() for r in ref_grads.values() if r is not None)
-    for n, r in ref_grads.items():
-        g = grads[prefix + n]
-        if r is None:
-            assert g is None or not g.any(), n
-            continue
-        s = max(r.abs().max().item(), floor)
-        assert (g.double() - r).abs().max().item() <= 1e-5 * s, f"d{n}"
+    assert_model_matches(out, grads, ref, ref_grads, prefix)
 
 
 @pytest.mark.parametrize("name", ["mistral", "bert", "distilbert", "gpt2", "t5", "vit"])

@@ -7,7 +7,7 @@ import inspect
 
 import pytest
 import torch
-from oracle import GRAD_FACTOR, LOWP_ATOL, OUT_FACTOR, assert_lowp_rule
+from oracle import GRAD_FACTOR, LOWP_ATOL, OUT_FACTOR, assert_lowp_rule, assert_model_matches
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face conversion needs transformers")
 
@@ -75,19 +75,7 @@ def test_rotary_on_the_kernel_matches_unconverted_fp32(name, length, kernel_call
     out, grads = _run(report.model, ids)
     assert len(kernel_calls) == 2 * LAYERS  # q and k of every layer
     ref, ref_grads = _run(model.double(), ids)
-    _assert_matches_fp64(out, grads, ref, ref_grads)
-
-
-def _assert_matches_fp64(out, grads, ref, ref_grads, prefix=""):
-    """Logits within 1e-5 of their scale, every parameter gradient within 1e-5 of its scale
-    (floored at 1% of the largest gradient's)."""
-    assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item(), "logits"
-    floor = 0.01 * max(r.abs().max().item() for r in ref_grads.values() if r is not None)
-    for n, r in ref_grads.items():
-        if r is None:
-            continue
-        s = max(r.abs().max().item(), floor)
-        assert (grads[prefix + n].double() - r).abs().max().item() <= 1e-5 * s, f"d{n}"
+    assert_model_matches(out, grads, ref, ref_grads)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
@@ -102,7 +90,7 @@ def test_converted_model_compiles_fullgraph(name, kernel_calls):
     out, grads = _run(torch.compile(ours, fullgraph=True), ids)
     assert not kernel_calls
     ref, ref_grads = _run(model.double(), ids)
-    _assert_matches_fp64(out, grads, ref, ref_grads, prefix="_orig_mod.")
+    assert_model_matches(out, grads, ref, ref_grads, prefix="_orig_mod.")
     _run(ours, ids)
     assert len(kernel_calls) == 2 * LAYERS
 

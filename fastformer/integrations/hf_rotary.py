@@ -60,7 +60,7 @@ def _half_tables(cos: torch.Tensor, sin: torch.Tensor, acc: torch.dtype):
 
 
 def _kernel_takes(q, k, cos, sin, unsqueeze_dim) -> bool:
-    if unsqueeze_dim != 1 or torch.compiler.is_compiling():
+    if unsqueeze_dim != 1:  # traced calls never get here: _eager_only
         return False
     if not all(isinstance(t, torch.Tensor) for t in (q, k, cos, sin)):
         return False

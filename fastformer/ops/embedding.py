@@ -51,8 +51,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     (ids,) = ctx.saved_tensors
-    d_weight = _embedding_backward(grad.contiguous(), ids, ctx.num_weights, ctx.padding_idx,
-                                   ctx.scale)
+    d_weight = _embedding_backward(grad, ids, ctx.num_weights, ctx.padding_idx, ctx.scale)
     return d_weight, None, None, None
 
 
