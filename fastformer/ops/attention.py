@@ -250,13 +250,14 @@ class _Triton(Impl):
 
 @ATTENTION.implementation
 class _Cpu(Impl):
-    """csrc/cpu/attention_*.cpp: every dtype, head dims 1..256, bf16 on AMX tiles, packed
-    sequences and KV caches (contiguous or paged; decoding: attention_decode.cpp)."""
+    """csrc/cpu/attention_*.cpp: every dtype, head dims 1..256 (a value head dim Dv of its own:
+    MLA), bf16 on AMX tiles, packed sequences and KV caches (contiguous or paged; decoding:
+    attention_decode.cpp)."""
 
     backend = "cpu"
     dtypes = ALL_FLOAT
     options = _CORE | _MASKS_DROPOUT | _VARIANTS | _LENGTHS
-    features = frozenset({"gqa", "attn_mask_grad"})
+    features = frozenset({"gqa", "v_head_dim_differs", "attn_mask_grad"})
     head_dims = (1, 256)
 
     fwd = compiled("attention_fwd")
