@@ -21,6 +21,7 @@ DECODER = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_la
 ENCODER = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                intermediate_size=96, max_position_embeddings=64, hidden_dropout_prob=0.0,
                attention_probs_dropout_prob=0.0)
+MOE = dict(num_local_experts=4, num_experts=4, num_experts_per_tok=2, experts_implementation="eager")
 
 
 def _families():
@@ -50,6 +51,19 @@ def _families():
         "vit": (t.ViTConfig, t.ViTModel, dict(image_size=32, patch_size=8, num_channels=3, hidden_size=64,
                                               num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
                                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+        # families converted by the form of their modules (hf_convert._llama_forms): MoE blocks
+        # on transformers' eager experts loop (its grouped_mm takes no fp64 for the oracle)
+        "mixtral": (t.MixtralConfig, t.MixtralForCausalLM, dict(DECODER, **MOE)),
+        "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM,
+                      dict(DECODER, **MOE, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+        "phi3": (t.Phi3Config, t.Phi3ForCausalLM, dict(DECODER, pad_token_id=0)),
+        "smollm3": (t.SmolLM3Config, t.SmolLM3ForCausalLM, dict(DECODER, pad_token_id=0)),
+        "gpt_oss": (t.GptOssConfig, t.GptOssForCausalLM, dict(DECODER, **MOE, head_dim=16, sliding_window=8)),
+        # multi-head latent attention: q/k head dim 24, value head dim 16; dense MLPs
+        "deepseek_v3": (t.DeepseekV3Config, t.DeepseekV3ForCausalLM,
+                        dict(DECODER, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_rope_head_dim=8,
+                             qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=2, n_routed_experts=4,
+                             moe_intermediate_size=32, experts_implementation="eager")),
     }
 
 
@@ -106,7 +120,7 @@ def _assert_matches_fp64(out, grads, model, inputs, prefix=""):
     assert_model_matches(out, grads, ref, ref_grads, prefix)
 
 
-@pytest.mark.parametrize("name", ["mistral", "bert", "distilbert", "gpt2", "t5", "vit"])
+@pytest.mark.parametrize("name", ["mistral", "bert", "distilbert", "gpt2", "t5", "vit", "smollm3", "deepseek_v3"])
 def test_converted_family_compiles_fullgraph(name):
     """ff.convert then torch.compile(fullgraph=True), forward and backward, against the
     unconverted fp64 model (Llama and Gemma 2: tests/test_hf_rotary.py)."""
@@ -118,7 +132,7 @@ def test_converted_family_compiles_fullgraph(name):
     _assert_matches_fp64(out, grads, model, inputs, prefix="_orig_mod.")
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma2", "bert", "gpt2", "t5-gated", "vit"])
+@pytest.mark.parametrize("name", ["llama", "gemma2", "bert", "gpt2", "t5-gated", "vit", "qwen2_moe", "deepseek_v3"])
 def test_converted_family_bf16_error_ratio(name):
     model = _model(name)
     ours_model = ff.convert(copy.deepcopy(model).to(torch.bfloat16)).model
@@ -208,6 +222,30 @@ def test_generate_builds_only_the_last_positions_logits():
         model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=0)
     hook.remove()
     assert shapes and all(s[1] == 1 for s in shapes), shapes
+
+
+# What the form rule converts in families outside the table (hf_convert._llama_forms): (module
+# path suffix, what), every one of which must be in the report.
+_BY_FORM = {
+    "mixtral": [("input_layernorm", "ff.rms_norm"), ("self_attn", "ff.apply_rotary")],
+    "qwen2_moe": [("shared_expert", "ff.swiglu_ffn"), ("0", "post_attention_layernorm")],
+    "phi3": [("norm", "ff.rms_norm"), ("", "ff.linear_cross_entropy")],
+    "smollm3": [("mlp", "ff.swiglu_ffn"), ("0", "post_attention_layernorm"), ("", "ff.linear_cross_entropy")],
+    "deepseek_v3": [("mlp", "ff.swiglu_ffn"), ("kv_a_layernorm", "ff.rms_norm")],
+}
+
+
+@pytest.mark.parametrize("name", list(_BY_FORM))
+def test_families_outside_the_table_converted_by_form(name):
+    """Modules whose forward is Llama's instruction for instruction get Llama's conversion,
+    whatever their family; the converted model's attention runs on the cpu kernels (DeepSeek's
+    value head dim 16 against q/k's 24 included)."""
+    model = _model(name)
+    report = ff.convert(model)
+    for suffix, what in _BY_FORM[name]:
+        assert any(path.endswith(suffix) and what in kind for path, _, kind in report.replaced), (suffix, what, str(report))
+    with torch.no_grad(), ff.use_backend("cpu"):  # raises where a call cannot run on it
+        model(**_inputs(name))
 
 
 def test_report_lists_mlps_norms_and_layers_of_llama():

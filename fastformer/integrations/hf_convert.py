@@ -8,12 +8,16 @@ fastformer attention backend (integrations/transformers.py) and, module by modul
 transformers modules        fused
 ==========================  =====================================================================
 RMSNorm of Llama, Mistral,  ``ff.rms_norm`` (Gemma's ``x_hat * (1 + w)`` with 1 + w in fp32, as
-Qwen2/3, Gemma 1/2/3, T5    Gemma computes it; T5LayerNorm)
+Qwen2/3, Gemma 1/2/3, T5,   Gemma computes it; T5LayerNorm)
+any family's in their form
 decoder layers of those     the residual add into the next norm: ``ff.rms_norm(h, w,
                             residual=r, return_residual=True)`` (one pass instead of three)
 their MLPs                  ``ff.swiglu_ffn`` (SwiGLU; GeGLU for Gemma's tanh GELU), biases if any
 their attention modules     the rotary embedding of q and k on ``ff.apply_rotary``
                             (integrations/hf_rotary.py)
+the same in other families  where a module's forward is Llama's (Gemma's) instruction for
+                            instruction (``_llama_forms``): Mixtral, Qwen-MoE, DeepSeek-V3,
+                            Phi-3, SmolLM3, OLMoE, GLM, ... (the MoE blocks stay theirs)
 BERT / RoBERTa layers       self-output and output: ``ff.add_layer_norm(dropout(dense(h)), x)``;
                             intermediate + output: ``ff.ffn`` then the fused add + LayerNorm
 DistilBERT blocks           both add + LayerNorms; the FFN on ``ff.ffn``
@@ -60,7 +64,7 @@ from ..ops.embedding import embedding
 from ..ops.ffn import ffn, swiglu_ffn
 from ..ops.linear import linear
 from ..ops.norm import add_layer_norm, rms_norm
-from .hf_rotary import convert_rotary_attention
+from .hf_rotary import code_form, convert_rotary_attention, rotary_mixin
 
 _SWAPPED: dict = {}
 
@@ -427,7 +431,7 @@ class _CausalLMLoss:
         hidden = outputs.last_hidden_state
         head = self.get_output_embeddings()
         target = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].to(hidden.device)
-        softcap = getattr(self.config, "final_logit_softcapping", None)
+        softcap = self._ff_softcap
         if num_items is None:
             loss = linear_cross_entropy(hidden, head.weight, target, head.bias, softcap=softcap)
         else:
@@ -442,12 +446,20 @@ class _CausalLMLoss:
         return CausalLMOutputWithPast(**out)
 
 
-def _convert_causal_lm(m: nn.Module) -> Optional[str]:
+def _convert_causal_lm(m: nn.Module, softcap_from_config: bool = True) -> Optional[str]:
+    """softcap_from_config: the family's forward caps the logits by the config's
+    final_logit_softcapping (Gemma 2/3); a forward in Llama's form does not, whatever its
+    config holds."""
     head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear) or not hasattr(m, getattr(m, "base_model_prefix", "")):
         return "no nn.Linear LM head over a base model"
+    m._ff_softcap = getattr(m.config, "final_logit_softcapping", None) if softcap_from_config else None
     _swap(m, _CausalLMLoss)
     return None
+
+
+def _convert_llama_form_lm(m: nn.Module) -> Optional[str]:
+    return _convert_causal_lm(m, softcap_from_config=False)
 
 
 # ---- the table -------------------------------------------------------------------------------------
@@ -487,6 +499,39 @@ _CONVERTERS.update({
 
 
 
+# Modules of any other family whose forward is, instruction for instruction, Llama's (or Gemma's)
+# get the same conversion: transformers writes most decoder models from Llama's modules
+# ("modular" files), so Mixtral's, Qwen-MoE's, DeepSeek-V3's, gpt-oss's and Phi-3's RMSNorms,
+# SmolLM3's and OLMoE's MLPs and decoder layers, ... run the code the families above run. The
+# test is the forward's bytecode, names and local names (hf_rotary.code_form): the same attributes,
+# called in the same order, with the same arithmetic.
+@functools.lru_cache(maxsize=None)
+def _llama_forms() -> dict:
+    from transformers.models.gemma import modeling_gemma
+    from transformers.models.gemma2 import modeling_gemma2
+    from transformers.models.llama import modeling_llama as llama
+    return {
+        code_form(llama.LlamaRMSNorm.forward): lambda m: _convert_rms(m, False),
+        code_form(modeling_gemma.GemmaRMSNorm.forward): lambda m: _convert_rms(m, True),
+        code_form(llama.LlamaMLP.forward): _convert_gated_mlp,
+        code_form(llama.LlamaDecoderLayer.forward): lambda m: _swap(m, _PreNormDecoderLayer),
+        code_form(modeling_gemma2.Gemma2DecoderLayer.forward): lambda m: _swap(m, _SandwichDecoderLayer),
+        code_form(llama.LlamaForCausalLM.forward): _convert_llama_form_lm,
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def _converter_by_form(cls: type) -> Optional[Callable]:
+    """The converter of a module class outside the table whose forward has a Llama form (an
+    attention module: its module's apply_rotary_pos_emb, hf_rotary.rotary_mixin), else None."""
+    if not cls.__module__.startswith("transformers.") or not hasattr(cls, "forward"):
+        return None
+    convert = _llama_forms().get(code_form(cls.forward))
+    if convert is None and cls.__name__.endswith("Attention") and rotary_mixin(cls)[0] is not None:
+        convert = lambda m: convert_rotary_attention(m, _swap)  # noqa: E731
+    return convert
+
+
 def _key(m: nn.Module) -> str:
     name = type(m).__name__
     if name == "TransformerBlock" and type(m).__module__.endswith("distilbert.modeling_distilbert"):
@@ -504,8 +549,8 @@ def convert_transformers(model: nn.Module, replaced: list, left: list, loss: boo
     for path, m in model.named_modules():
         if getattr(type(m), "_fastformer_original", None) is not None:
             continue  # converted already
-        convert: Optional[Callable] = _CONVERTERS.get(_key(m))
-        if convert is None or (not loss and convert is _convert_causal_lm):
+        convert: Optional[Callable] = _CONVERTERS.get(_key(m)) or _converter_by_form(type(m))
+        if convert is None or (not loss and convert in (_convert_causal_lm, _convert_llama_form_lm)):
             continue
         name = type(m).__name__
         why = convert(m)  # the module's hooks keep firing: it is the same object

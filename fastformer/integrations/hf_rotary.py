@@ -131,15 +131,23 @@ def _innermost(fn: Callable) -> Callable:
     return fn
 
 
-def _code(fn: Callable):
-    code = getattr(_innermost(fn), "__code__", None)
-    return None if code is None else (code.co_code, code.co_names, code.co_varnames)
+def code_form(fn: Callable):
+    """A function's bytecode, constants (less its docstring), global names and local names (None
+    without code): equal for two functions that run the same instructions on the same names
+    and numbers."""
+    fn = _innermost(fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    consts = code.co_consts  # the first is the docstring (None without one): not compared
+    consts = consts[1:] if consts and isinstance(consts[0], str) else consts
+    return code.co_code, consts, code.co_names, code.co_varnames
 
 
 @functools.lru_cache(maxsize=None)
 def _llama_form():
     from transformers.models.llama import modeling_llama
-    return _code(modeling_llama.apply_rotary_pos_emb)
+    return code_form(modeling_llama.apply_rotary_pos_emb)
 
 
 _MIXINS: dict = {}
@@ -154,7 +162,7 @@ def rotary_mixin(cls: type):
     original = None if forward is None else _innermost(forward).__globals__.get(GLOBAL)
     if original is None:
         result = None, f"its forward does not call a module-level {GLOBAL}"
-    elif _code(original) != _llama_form():
+    elif code_form(original) != _llama_form():
         result = None, f"its module's {GLOBAL} is not Llama's rotate_half form"
     else:
         patched, found = _with_global(forward, GLOBAL, _fused(original))
