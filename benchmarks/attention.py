@@ -12,6 +12,10 @@ softcap, ALiBi and sinks at (1, 8, 2048, 64) against the same call without the o
 T5 attention math with its materialized (1, H, L, L) bias ("eager"). FLOPs of a window case:
 the band's pairs only.
 
+MLA case: multi-head latent attention's head dims (DeepSeek-V2/V3: q and k 192, v 128),
+(1, 16, 2048), causal, against SDPA and eager math with the same Dv. FLOPs: 2 * B * H * L * L *
+(D + Dv), halved for causal.
+
 Varlen case: 16 causal sequences with lengths drawn from 64..2048 (fixed seed), 8 heads, head dim
 64, packed (ff.varlen_attention, no padding) against the same batch padded to the longest with
 its (B, 1, L, L) causal-and-padding mask, through SDPA ("sdpa") and through ff.attention with
@@ -117,6 +121,8 @@ def cases(device: str, dtypes: list, quick: bool = False):
                    device=device)
         yield dict(variant="varlen", shape=VARLEN_SHAPE, dtype=dtype, causal=True, mode="fwd+bwd",
                    device=device)
+        for mode in ("fwd", "fwd+bwd"):
+            yield dict(variant="mla", shape=MLA_SHAPE, dtype=dtype, causal=True, mode=mode, device=device)
 
 
 def case_name(c: dict) -> str:
@@ -124,6 +130,8 @@ def case_name(c: dict) -> str:
     B, H, L, D = c["shape"]
     if c.get("variant") == "varlen":
         return f"varlen {B} seqs {VARLEN_MIN}..{L} H={H} D={D} causal"
+    if c.get("variant") == "mla":
+        return f"({B}, {H}, {L}, {D}, Dv {MLA_DV}) causal MLA"
     variant = {"window": f" window {WINDOW}", "softcap": f" softcap {SOFTCAP}", "alibi": " alibi",
                "sinks": " sinks", "t5": " T5 bias"}.get(c.get("variant"), "")
     return f"({B}, {H}, {L}, {D}){' causal' if c['causal'] else ''}{variant}"
@@ -133,6 +141,7 @@ WINDOW_SHAPE, WINDOW = (1, 8, 8192, 64), (512, 0)
 OPTION_SHAPE, SOFTCAP = (1, 8, 2048, 64), 30.0
 T5_SHAPE, T5_BUCKETS = (8, 8, 512, 64), 32
 VARLEN_SHAPE, VARLEN_MIN = (16, 8, 2048, 64), 64  # sequences, heads, longest allowed, head dim
+MLA_SHAPE, MLA_DV = (1, 16, 2048, 192), 128
 
 
 def _build_varlen(c: dict):
@@ -187,6 +196,11 @@ def _variant_candidates(c: dict, q, k, v):
                 "ours_full": lambda q, k, v, causal: ff.attention(q, k, v, causal=True),
                 "ours_mask": lambda q, k, v, causal: ff.attention(q, k, v, attn_mask=band),
                 "sdpa": lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, attn_mask=band)}, work
+    if variant == "mla":
+        work = 2 * B * H * L * L * (D + MLA_DV) / 2 * (3.5 if c["mode"] == "fwd+bwd" else 1.0)
+        return {"ours": lambda q, k, v, causal: ff.attention(q, k, v, causal=True),
+                "sdpa": lambda q, k, v, causal: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                "eager": eager_math}, work
     work = flops(c["shape"], False, c["mode"])
     if variant == "t5":
         table = torch.randn(T5_BUCKETS, H, generator=g).to(q.device, q.dtype).requires_grad_()
@@ -211,9 +225,10 @@ def _variant_candidates(c: dict, q, k, v):
 def _build_variant(c: dict):
     shape, dtype, mode, device = c["shape"], c["dtype"], c["mode"], c["device"]
     g = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = [torch.randn(shape, generator=g).to(device=device, dtype=dtype)
-               .requires_grad_(mode != "fwd") for _ in range(3)]
-    grad_out = torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+    v_shape = (*shape[:3], MLA_DV) if c["variant"] == "mla" else shape
+    q, k, v = [torch.randn(s, generator=g).to(device=device, dtype=dtype)
+               .requires_grad_(mode != "fwd") for s in (shape, shape, v_shape)]
+    grad_out = torch.randn(v_shape, generator=g).to(device=device, dtype=dtype)
     candidates, work = _variant_candidates(c, q, k, v)
     fns = {name: _step(fn, q, k, v, c["causal"], mode, grad_out) for name, fn in candidates.items()}
 
