@@ -65,6 +65,7 @@ class Call:
     options: frozenset = frozenset()          # option fields set to a non-default value
     features: frozenset = frozenset()         # derived from the inputs, e.g. {"gqa"}
     head_dim: Optional[int] = None            # attention, rotary
+    v_head_dim: Optional[int] = None          # attention: v's (Dv; head_dim is q's and k's)
     hidden: Optional[int] = None              # add+norm, FFN
 
 

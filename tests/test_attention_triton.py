@@ -8,9 +8,11 @@ costs milliseconds per program, so batch and heads stay small and its blocks are
 causal and window tests shrink the blocks to walk the many-block paths that GPUs take. The
 score variants (window, softcap, ALiBi, sinks, the T5 bias table, learned float masks) have
 their own eager oracle, eager_variants, independent of fastformer.reference, and are checked
-on the gradients of the sinks, the table and the mask too. The `gpu` tests at the end run the
+on the gradients of the sinks, the table and the mask too. A value head dim Dv != D (MLA) runs
+through the plain, variant and packed paths. The `gpu` tests at the end run the
 compiled kernels on CUDA tensors (TRITON_INTERPRET=0, benchmarks/gpu_check.sh).
 """
+import itertools
 import math
 
 import pytest
@@ -20,7 +22,7 @@ from oracle import check, row_sum_tol
 
 import fastformer as ff
 from fastformer.ops import attention_triton
-from fastformer.ops.attention import AttentionOptions, dropout_keep_mask
+from fastformer.ops.attention import ATTENTION, AttentionOptions, dropout_keep_mask
 from fastformer.reference.rng import draw_rng_state
 
 triton = pytest.importorskip("triton")
@@ -98,10 +100,12 @@ def compare(q, k, v, dout, **kw):
     return out, grads
 
 
-def make_qkv(B, H, Hkv, Lq, Lk, D, dtype, seed=0, device="cpu"):
+def make_qkv(B, H, Hkv, Lq, Lk, D, dtype, seed=0, device="cpu", Dv=None):
+    """q, k (..., D) and v, dout (..., Dv); Dv defaults to D."""
+    Dv = D if Dv is None else Dv
     g = torch.Generator().manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=g).to(device, dtype)  # noqa: E731
-    return mk(B, H, Lq, D), mk(B, Hkv, Lk, D), mk(B, Hkv, Lk, D), mk(B, H, Lq, D)
+    return mk(B, H, Lq, D), mk(B, Hkv, Lk, D), mk(B, Hkv, Lk, Dv), mk(B, H, Lq, Dv)
 
 
 def padding_mask(B, Lk, seed=1, device="cpu"):
@@ -573,6 +577,102 @@ def test_variants_on_the_custom_op_route(monkeypatch):
         torch.testing.assert_close(op_route[1][name], grad, atol=1e-6, rtol=1e-6)  # atomics
 
 
+# ---- value head dim Dv != D (MLA) ------------------------------------------------------------
+# q, k (..., D), v, out (..., Dv): the kernels take both head dims (HEAD_DIM / BLOCK_D and
+# HEAD_DIM_V / BLOCK_DV), Dv below and above D, each padded to its own power of two in the tile.
+# (B, H, Hkv, Lq, Lk, D, Dv, causal)
+DV_CASES = [
+    (1, 2, 2, 113, 203, 40, 72, False),
+    (1, 4, 2, 203, 113, 48, 32, "top_left"),        # GQA
+    (2, 2, 1, 70, 113, 24, 80, "bottom_right"),     # MQA
+    (1, 2, 1, 17, 30, 192, 128, "bottom_right"),    # DeepSeek-V2/V3's MLA dims
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("B,H,Hkv,Lq,Lk,D,Dv,causal", DV_CASES)
+def test_value_head_dim_differs(B, H, Hkv, Lq, Lk, D, Dv, causal, dtype):
+    q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype, Dv=Dv)
+    out, (dq, dk, dv) = compare(q, k, v, dout, causal=causal)  # asserts the triton dispatch
+    assert out.shape == (B, H, Lq, Dv) and dq.shape == q.shape
+    assert dk.shape == k.shape and dv.shape == v.shape
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("D,Dv", [(24, 80), (48, 32)])
+def test_value_head_dim_differs_with_variants(small_blocks, D, Dv, dtype):
+    """A causal window, GQA, and the option gradients (sinks, a learned float mask, the T5
+    table) with Dv != D: the dQ kernel's dO V^T is Dv deep, its option gradients and dS K D
+    wide."""
+    B, H, Hkv, Lq, Lk = 2, 4, 2, 70, 113
+    q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype, Dv=Dv)
+    g = torch.Generator().manual_seed(10)
+    learned = {"sinks": torch.randn(H, generator=g), "table": torch.randn(16, H, generator=g),
+               "attn_mask": torch.randn(1, H, Lq, Lk, generator=g).to(dtype)}
+    compare_variants(q, k, v, dout, learned=learned, causal="bottom_right", window=(30, 0),
+                     softcap=8.0, key_padding_mask=padding_mask(B, Lk))
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("D,Dv", [(40, 72), (48, 32)])
+def test_value_head_dim_differs_varlen(small_blocks, D, Dv, dtype):
+    """Packed sequences (ff.varlen_attention), causal (bottom-right per sequence) with sinks,
+    GQA: each sequence against eager_variants alone, out (total_q, H, Dv)."""
+    q_lens, k_lens, H, Hkv = [17, 90, 1, 0], [30, 90, 1, 5], 4, 2
+    g = torch.Generator().manual_seed(11)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    Tq, Tk = sum(q_lens), sum(k_lens)
+    q, k, v, dout = mk(Tq, H, D), mk(Tk, Hkv, D), mk(Tk, Hkv, Dv), mk(Tq, H, Dv)
+    sinks = torch.randn(H, generator=g)
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
+                  for n in (q_lens, k_lens))
+
+    def ours(q, k, v, sinks):
+        with ff.use_backend("triton"):
+            out = ff.varlen_attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=True,
+                                      sinks=sinks)
+        assert ff.last_dispatch().backend == "triton", ff.last_dispatch()
+        return out
+
+    def oracle(q, k, v, sinks):
+        heads = lambda t: t.transpose(0, 1)[None]  # noqa: E731  (L, H, D) -> (1, H, L, D)
+        outs = []
+        for qs, ks, vs in zip(q.split(q_lens), k.split(k_lens), v.split(k_lens)):
+            out = eager_variants(heads(qs), heads(ks), heads(vs), causal="bottom_right",
+                                 sinks=sinks)
+            outs.append(out[0].transpose(0, 1))
+        return torch.cat(outs)
+
+    def run(fn, *t):
+        leaves = [x.detach().clone().requires_grad_(True) for x in t]
+        out = fn(*leaves)
+        return out.detach(), torch.autograd.grad(out, leaves, dout.to(out.dtype))
+
+    out, grads = run(ours, q, k, v, sinks)
+    assert out.shape == (Tq, H, Dv)
+    up = torch.float64 if dtype == F32 else F32
+    out_o, grads_o = run(oracle, *(t.to(up) for t in (q, k, v, sinks)))
+    out_l, grads_l = (None, (None,) * 4)
+    if dtype != F32:
+        out_l, grads_l = run(oracle, q, k, v, sinks)
+    check("out", out, out_o, out_l)
+    for name, a, b, c in zip(("dq", "dk", "dv", "dsinks"), grads, grads_o, grads_l):
+        check(name, a, b, c, grad=True, atol=1e-4, rtol=1e-4)
+
+
+def test_value_head_dim_outside_the_kernels_range_is_declined():
+    """Dv outside 16..256 never reaches the kernels: the triton impl declines, naming Dv."""
+    (impl,) = ff.backends.implementations("attention", "triton")
+    for Dv in (8, 264):
+        q, k, v, _ = make_qkv(1, 2, 2, 5, 7, 64, F32, Dv=Dv)
+        why = impl.reasons(ATTENTION.call((q, k, v), AttentionOptions()))
+        assert any("Dv" in w and str(Dv) in w for w in why), why
+        with ff.use_backend("triton"), pytest.raises(ValueError, match="Dv"):
+            ff.attention(q, k, v)
+    q, k, v, _ = make_qkv(1, 2, 2, 5, 7, 64, F32, Dv=16)
+    assert impl.reasons(ATTENTION.call((q, k, v), AttentionOptions())) == []
+
+
 # ---- the compiled kernels on a GPU -----------------------------------------------------------
 # `TRITON_INTERPRET=0 pytest -m gpu tests` (benchmarks/gpu_check.sh): with the interpreter on,
 # triton would interpret these too, so they skip. One fixed config per kernel (its first GPU
@@ -600,6 +700,16 @@ GPU_CASES = [  # (B, H, Hkv, Lq, Lk, D, causal, dtype)
 @pytest.mark.parametrize("B,H,Hkv,Lq,Lk,D,causal,dtype", GPU_CASES, ids=str)
 def test_gpu_matches_eager(cuda_compiled, B, H, Hkv, Lq, Lk, D, causal, dtype):
     q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype, device=cuda_compiled)
+    compare(q, k, v, dout, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,H,Hkv,Lq,Lk,D,Dv,causal,dtype", [
+    (2, 8, 2, 300, 411, 192, 128, "bottom_right", BF16),  # DeepSeek-V2/V3's MLA dims
+    (1, 4, 2, 203, 113, 40, 72, False, F32),
+], ids=str)
+def test_gpu_value_head_dim_differs(cuda_compiled, B, H, Hkv, Lq, Lk, D, Dv, causal, dtype):
+    q, k, v, dout = make_qkv(B, H, Hkv, Lq, Lk, D, dtype, device=cuda_compiled, Dv=Dv)
     compare(q, k, v, dout, causal=causal)
 
 

@@ -1,8 +1,10 @@
 """Triton kernels: flash attention forward and backward. Launchers: ops/attention_triton.py.
 
-Notation (fastformer/reference/attention.py is the semantics): q (B, H, Lq, D), k and v
-(B, Hkv, Lk, D); query head h reads kv head h // (H / Hkv) (GQA/MQA by index arithmetic, the
-kv tensors are never repeated); d = Lk - Lq for bottom-right causality, else 0. Scores:
+Notation (fastformer/reference/attention.py is the semantics): q (B, H, Lq, D), k (B, Hkv, Lk,
+D), v (B, Hkv, Lk, Dv), out (B, H, Lq, Dv): the value head dim Dv may differ from D (MLA:
+DeepSeek-V2/V3's D = 192, Dv = 128); query head h reads kv head h // (H / Hkv) (GQA/MQA by index
+arithmetic, the kv tensors are never repeated); d = Lk - Lq for bottom-right causality, else 0.
+Scores:
     s_ij = scale * q_i.k_j, or with softcap c: s_ij = c * tanh(scale * q_i.k_j / c)  (tanh
                                                 of exp2: attention_options.tanh)
     s_ij += -slope_bh * |i + d - j|             (ALiBi, slopes (H,) or (B, H))
@@ -28,12 +30,12 @@ with a sink at m = sink_h * log2 e, l = 1 (the sink joins the denominator, adds 
 then out = acc / l and lse = (m + log2 l) * ln 2 (natural log, fp32). A row with no allowed key
 keeps m = -inf (exp2 is then taken against 0, so p = 0): l = 0, out = 0, lse = +inf; with a
 sink: out = 0, lse = sink.
-Traffic per (query block, key block) tile: K and V tiles, 2 * BLOCK_N * D elements (+ BLOCK_M *
-BLOCK_N attn_mask and BLOCK_N padding-mask elements when given; with a relative bias, BLOCK_M *
-BLOCK_N gathers from its head's vector, a few KB that stay in cache); per
-program Q and out (BLOCK_M * D each), lse, one slope and one sink. Per head: 2 * Lk * D *
+Traffic per (query block, key block) tile: K and V tiles, BLOCK_N * (D + Dv) elements (+ BLOCK_M
+* BLOCK_N attn_mask and BLOCK_N padding-mask elements when given; with a relative bias, BLOCK_M *
+BLOCK_N gathers from its head's vector, a few KB that stay in cache); per program Q and out
+(BLOCK_M * D and BLOCK_M * Dv), lse, one slope and one sink. Per head: Lk * (D + Dv) *
 ceil(Lq / BLOCK_M) elements of K/V (about half when causal, ~ (window + BLOCK_M) / Lk of it
-with a window) + 2 * Lq * D of Q/out; nothing of size Lq * Lk is stored.
+with a window) + Lq * (D + Dv) of Q/out; nothing of size Lq * Lk is stored.
 
 Backward, with P = exp2(t - lse * log2 e) recomputed from the saved lse (sink included):
     delta_i = sum_d dO_id * out_id                       (preprocessing kernel)
@@ -46,8 +48,8 @@ Backward, with P = exp2(t - lse * log2 e) recomputed from the saved lse (sink in
 dK/dV: one program per (key block, batch*kv head), looping over the query heads of its group
 and over the query blocks that see its keys (edge blocks masked, the rest not); dK and dV
 stay in registers and are written once, already summed over the group. Per tile it reads Q and
-dO (2 * BLOCK_M * D) and BLOCK_M of lse and delta. dQ: one program per (query block,
-batch*head), walking key blocks like the forward; per tile it reads K and V (2 * BLOCK_N * D).
+dO (BLOCK_M * (D + Dv)) and BLOCK_M of lse and delta. dQ: one program per (query block,
+batch*head), walking key blocks like the forward; per tile it reads K and V (BLOCK_N * (D + Dv)).
 dQ has its own kernel rather than fp32 atomics from the dK/dV kernel: that recomputes Q K^T
 and dO V^T (7 tile matmuls instead of 5) but is deterministic, needs no fp32 scratch buffer
 to zero and convert, and writes dq in the input dtype directly.
@@ -60,11 +62,14 @@ nondeterministic in their last bits on GPUs; dq, dk and dv stay deterministic.
 Rows past Lq read q = dO = 0 and lse = +inf, so P = 0 there; dK/dV rows past Lk are never
 stored, so the dK/dV kernel needs no key-tail mask.
 
-Head dims 16..256: BLOCK_D is the next power of two >= D; tail columns read as 0 and are not
-stored. Batch/head/block bases are int64 scalars; in-tile offsets (< BLOCK * row stride) int32.
-fp32 inputs use IEEE fp32 dots (not TF32: the fp32 tolerance is 1e-5). Under Triton's
-interpreter (TRITON_INTERPRET=1): bf16 dots are done in fp32 (_operand), bf16 results are
-rounded by cast_to, and masks are single comparisons (it mis-types `block & scalar` of int1).
+Head dims D, Dv 16..256 (HEAD_DIM, HEAD_DIM_V): BLOCK_D, BLOCK_DV are the next powers of two >=
+D, Dv. q, k, dq, dk are D wide (Q K^T sums over D; dS K, dS^T Q give D columns); v, out, dO,
+dv are Dv wide (dO V^T sums over Dv; P V, P^T dO give Dv columns): no padded copies. Tail
+columns read as 0 and are not stored. Batch/head/block bases are int64 scalars; in-tile
+offsets (< BLOCK * row stride) int32. fp32 inputs use IEEE fp32 dots (not TF32: the fp32
+tolerance is 1e-5). Under Triton's interpreter (TRITON_INTERPRET=1): bf16 dots are done in fp32
+(_operand), bf16 results are rounded by cast_to, and masks are single comparisons (it
+mis-types `block & scalar` of int1).
 """
 import triton
 import triton.language as tl
@@ -156,10 +161,12 @@ def _fwd_key_blocks(acc, l_i, m_i, q, q_idx, k_head, v_head, k_offs, v_offs, mas
                     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
                     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
                     EDGE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    INTERPRET: tl.constexpr):
     """Online-softmax update of (acc, l_i, m_i) with key blocks [start_n, end_n)."""
     offs_n = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
     for block_n in range(start_n, end_n, BLOCK_N):
         n64 = tl.cast(block_n, tl.int64)
         k_idx = block_n + offs_n
@@ -178,8 +185,8 @@ def _fwd_key_blocks(acc, l_i, m_i, q, q_idx, k_head, v_head, k_offs, v_offs, mas
         if DROPOUT:
             keep = _dropout_keep(seed, rng_q[:, None], k_idx[None, :], drop_threshold)
             p = tl.where(keep, p * drop_scale, 0.0)
-        v = _load_rows(v_head + n64 * stride_vn + v_offs, k_idx, Lk, cols, HEAD_DIM, BLOCK_D,
-                       EDGE)
+        v = _load_rows(v_head + n64 * stride_vn + v_offs, k_idx, Lk, cols_v, HEAD_DIM_V,
+                       BLOCK_DV, EDGE)
         p_op = _operand(cast_to(p, v_head.dtype.element_ty, INTERPRET), INTERPRET)
         acc = tl.dot(p_op, _operand(v, INTERPRET), acc * alpha[:, None], input_precision="ieee")
         m_i = m_new
@@ -190,14 +197,14 @@ def _fwd_key_blocks(acc, l_i, m_i, q, q_idx, k_head, v_head, k_offs, v_offs, mas
 def attn_fwd_kernel(
     q_ptr,      # (B, H, Lq, D) queries, strides (stride_qb, stride_qh, stride_qm, 1)
     k_ptr,      # (B, Hkv, Lk, D) keys, strides (stride_kb, stride_kh, stride_kn, 1)
-    v_ptr,      # (B, Hkv, Lk, D) values, strides (stride_vb, stride_vh, stride_vn, 1)
+    v_ptr,      # (B, Hkv, Lk, Dv) values, strides (stride_vb, stride_vh, stride_vn, 1)
     mask_ptr,   # (B, H, Lq, Lk) attn_mask view, any strides (0 on broadcast dims); bool
                 # (True = attend) or float (added); read iff MASK_KIND != 0
     kpm_ptr,    # (B, Lk) bool key_padding_mask, True = padding; read iff HAS_KPM
     alibi_ptr, rel_ptr,  # the score terms (see above)
     cu_q_ptr, cu_k_ptr, rng_seq_ptr,  # packed sequences (see above); read iff PACKED
     sinks_ptr,  # (H,) fp32 contiguous sink logits; read iff SINKS
-    out_ptr,    # (B, H, Lq, D) output in q's dtype, strides (stride_ob, stride_oh, stride_om, 1)
+    out_ptr,    # (B, H, Lq, Dv) output in q's dtype, strides (stride_ob, stride_oh, stride_om, 1)
     lse_ptr,    # (B, H, Lq) fp32: natural-log log-sum-exp, +inf for empty rows
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
@@ -210,7 +217,7 @@ def attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
-    SINKS: tl.constexpr, PACKED: tl.constexpr,
+    SINKS: tl.constexpr, PACKED: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # 1-D grid, query blocks fastest: programs running together share K/V in L2, and B*H is
@@ -231,6 +238,7 @@ def attn_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     q_idx = start_m + offs_m
     cols = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
 
     q = _load_rows(q_ptr + b * stride_qb + h * stride_qh + m64 * stride_qm
                    + offs_m[:, None] * stride_qm + cols[None, :], q_idx, Lq, cols, HEAD_DIM,
@@ -239,7 +247,7 @@ def attn_fwd_kernel(
     k_head = k_ptr + b * stride_kb + hkv * stride_kh + k_start * stride_kn
     v_head = v_ptr + b * stride_vb + hkv * stride_vh + k_start * stride_vn
     k_offs = offs_n[:, None] * stride_kn + cols[None, :]
-    v_offs = offs_n[:, None] * stride_vn + cols[None, :]
+    v_offs = offs_n[:, None] * stride_vn + cols_v[None, :]
     mask_rows = mask_ptr + b * stride_mb + h * stride_mh + m64 * stride_mm
     mask_offs = offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
     kpm_head = kpm_ptr + b * stride_kpb
@@ -248,7 +256,7 @@ def attn_fwd_kernel(
     terms = head_terms(qk_scale, softcap_in, alibi_ptr + b * stride_ab + h * stride_ah,
                        rel_ptr + h * stride_rh, ALIBI)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     if SINKS:  # the sink as a first key of score sink * log2 e: m = that, l = 1
@@ -269,13 +277,13 @@ def attn_fwd_kernel(
                 kpm_head, start_n, end_n, stride_kn, stride_vn, stride_mn, stride_kpn, Lq, Lk,
                 band, terms, seed, rng_q, drop_threshold, drop_scale, MASK_KIND, HAS_KPM,
                 DROPOUT, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, TABLE, part != 1, BLOCK_N,
-                BLOCK_D, HEAD_DIM, INTERPRET)
+                BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DIM_V, INTERPRET)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     _store_rows(out_ptr + b * stride_ob + h * stride_oh + m64 * stride_om
-                + offs_m[:, None] * stride_om + cols[None, :],
-                acc / l_safe[:, None], q_idx, Lq, cols, HEAD_DIM, INTERPRET)
+                + offs_m[:, None] * stride_om + cols_v[None, :],
+                acc / l_safe[:, None], q_idx, Lq, cols_v, HEAD_DIM_V, INTERPRET)
     lse = tl.where(empty, float("inf"), (m_i + tl.log2(l_safe)) * LN2)
     tl.store(lse_ptr + b * stride_lb + h * stride_lh + q_start + q_idx, lse, mask=q_idx < Lq)
 
@@ -283,11 +291,11 @@ def attn_fwd_kernel(
 # ---- backward --------------------------------------------------------------------------------
 @triton.jit
 def attn_bwd_delta_kernel(
-    out_ptr,    # (B, H, Lq, D) forward output, strides (stride_ob, stride_oh, stride_om, 1)
-    do_ptr,     # (B, H, Lq, D) grad of the output, strides (stride_dob, stride_doh, stride_dom, 1)
+    out_ptr,    # (B, H, Lq, Dv) forward output, strides (stride_ob, stride_oh, stride_om, 1)
+    do_ptr,     # (B, H, Lq, Dv) grad of the output, strides (stride_dob, stride_doh, stride_dom, 1)
     delta_ptr,  # (B, H, Lq) fp32 contiguous: rowsum(dO * out)
     stride_ob, stride_oh, stride_om, stride_dob, stride_doh, stride_dom, H, Lq,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     num_m = tl.cdiv(Lq, BLOCK_M)
     start_m = (tl.program_id(0) % num_m) * BLOCK_M
@@ -297,13 +305,13 @@ def attn_bwd_delta_kernel(
     m64 = start_m.to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     q_idx = start_m + offs_m
-    cols = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
     o = _load_rows(out_ptr + b * stride_ob + h * stride_oh + m64 * stride_om
-                   + offs_m[:, None] * stride_om + cols[None, :], q_idx, Lq, cols, HEAD_DIM,
-                   BLOCK_D, True)
+                   + offs_m[:, None] * stride_om + cols_v[None, :], q_idx, Lq, cols_v,
+                   HEAD_DIM_V, BLOCK_DV, True)
     do = _load_rows(do_ptr + b * stride_dob + h * stride_doh + m64 * stride_dom
-                    + offs_m[:, None] * stride_dom + cols[None, :], q_idx, Lq, cols, HEAD_DIM,
-                    BLOCK_D, True)
+                    + offs_m[:, None] * stride_dom + cols_v[None, :], q_idx, Lq, cols_v,
+                    HEAD_DIM_V, BLOCK_DV, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(delta_ptr + bh.to(tl.int64) * Lq + q_idx, delta, mask=q_idx < Lq)
 
@@ -317,20 +325,22 @@ def _dkdv_query_blocks(dk, dv, k, v, k_idx, q_head, do_head, q_offs, do_offs, ls
                        WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
                        SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
                        EDGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                       HEAD_DIM: tl.constexpr, INTERPRET: tl.constexpr):
+                       HEAD_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                       INTERPRET: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [start_m, end_m) of one head.
     Score tiles are (queries, keys) as in the forward, so K and V are the B operands of
     Q K^T and dO V^T (shared memory on Hopper) instead of register-held A operands: the
     transposed formulation (S^T = K Q^T) spilled 2x more at D = 128."""
     offs_m = tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
     for block_m in range(start_m, end_m, BLOCK_M):
         m64 = tl.cast(block_m, tl.int64)
         q_idx = block_m + offs_m
         q = _operand(_load_rows(q_head + m64 * stride_qm + q_offs, q_idx, Lq, cols, HEAD_DIM,
                                 BLOCK_D, True), INTERPRET)
-        do = _operand(_load_rows(do_head + m64 * stride_dom + do_offs, q_idx, Lq, cols,
-                                 HEAD_DIM, BLOCK_D, True), INTERPRET)
+        do = _operand(_load_rows(do_head + m64 * stride_dom + do_offs, q_idx, Lq, cols_v,
+                                 HEAD_DIM_V, BLOCK_DV, True), INTERPRET)
         lse2 = tl.load(lse_head + q_idx, mask=q_idx < Lq, other=float("inf")) * LOG2E
         delta = tl.load(delta_head + q_idx, mask=q_idx < Lq, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -361,11 +371,11 @@ def attn_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr,   # as in attn_fwd_kernel
     mask_ptr, kpm_ptr,     # as in attn_fwd_kernel
     alibi_ptr, rel_ptr, cu_q_ptr, cu_k_ptr, rng_seq_ptr,  # as in attn_fwd_kernel
-    do_ptr,      # (B, H, Lq, D) grad of the output, strides (stride_dob, stride_doh, stride_dom, 1)
+    do_ptr,      # (B, H, Lq, Dv) grad of the output, strides (stride_do*, 1)
     lse_ptr,     # (B, H, Lq) fp32, from the forward, strides (stride_lb, stride_lh, 1)
     delta_ptr,   # (B, H, Lq) fp32, from attn_bwd_delta_kernel, strides as lse
     dk_ptr,      # (B, Hkv, Lk, D) grad of k in k's dtype; strides (stride_dk*, 1)
-    dv_ptr,      # (B, Hkv, Lk, D) grad of v in v's dtype; strides (stride_dv*, 1)
+    dv_ptr,      # (B, Hkv, Lk, Dv) grad of v in v's dtype; strides (stride_dv*, 1)
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
     stride_kpb, stride_kpn, stride_dob, stride_doh, stride_dom,
@@ -376,7 +386,7 @@ def attn_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, MASK_KIND: tl.constexpr, HAS_KPM: tl.constexpr,
     DROPOUT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
-    PACKED: tl.constexpr,
+    PACKED: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     num_n = tl.cdiv(Lk, BLOCK_N)
@@ -394,18 +404,19 @@ def attn_bwd_dkdv_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     k_idx = start_n + offs_n
     cols = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
     k = _operand(_load_rows(k_ptr + b * stride_kb + hkv * stride_kh + n64 * stride_kn
                             + offs_n[:, None] * stride_kn + cols[None, :], k_idx, Lk, cols,
                             HEAD_DIM, BLOCK_D, True), INTERPRET)
     v = _operand(_load_rows(v_ptr + b * stride_vb + hkv * stride_vh + n64 * stride_vn
-                            + offs_n[:, None] * stride_vn + cols[None, :], k_idx, Lk, cols,
-                            HEAD_DIM, BLOCK_D, True), INTERPRET)
+                            + offs_n[:, None] * stride_vn + cols_v[None, :], k_idx, Lk, cols_v,
+                            HEAD_DIM_V, BLOCK_DV, True), INTERPRET)
     q_offs = offs_m[:, None] * stride_qm + cols[None, :]
-    do_offs = offs_m[:, None] * stride_dom + cols[None, :]
+    do_offs = offs_m[:, None] * stride_dom + cols_v[None, :]
     mask_offs = offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
     kpm_ptrs = (kpm_ptr + b * stride_kpb + n64 * stride_kpn + offs_n * stride_kpn)[None, :]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     band = make_band(Lq, Lk, win_left, win_right, BOTTOM_RIGHT, WINDOW_RIGHT)
     lo, full_lo, full_hi, hi = query_blocks(start_n, Lq, Lk, band, BLOCK_M, BLOCK_N,
                                             WINDOW_LEFT, WINDOW_RIGHT)
@@ -432,13 +443,14 @@ def attn_bwd_dkdv_kernel(
                     delta_head, mask_head, mask_offs, kpm_ptrs, start_m, end_m, stride_qm,
                     stride_dom, stride_mm, Lq, Lk, band, terms, seed, rng_head, drop_threshold,
                     drop_scale, MASK_KIND, HAS_KPM, DROPOUT, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP,
-                    ALIBI, TABLE, part != 1, BLOCK_M, BLOCK_D, HEAD_DIM, INTERPRET)
+                    ALIBI, TABLE, part != 1, BLOCK_M, BLOCK_D, HEAD_DIM, BLOCK_DV,
+                    HEAD_DIM_V, INTERPRET)
     _store_rows(dk_ptr + b * stride_dkb + hkv * stride_dkh + n64 * stride_dkn
                 + offs_n[:, None] * stride_dkn + cols[None, :],
                 dk * scale, k_idx, Lk, cols, HEAD_DIM, INTERPRET)
     _store_rows(dv_ptr + b * stride_dvb + hkv * stride_dvh + n64 * stride_dvn
-                + offs_n[:, None] * stride_dvn + cols[None, :],
-                dv, k_idx, Lk, cols, HEAD_DIM, INTERPRET)
+                + offs_n[:, None] * stride_dvn + cols_v[None, :],
+                dv, k_idx, Lk, cols_v, HEAD_DIM_V, INTERPRET)
 
 
 @triton.jit
@@ -451,18 +463,19 @@ def _dq_key_blocks(dq, q, do, lse2, delta, q_idx, k_head, v_head, k_offs, v_offs
                    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
                    MASK_GRAD: tl.constexpr, TABLE_GRAD: tl.constexpr, EDGE: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   INTERPRET: tl.constexpr):
+                   BLOCK_DV: tl.constexpr, HEAD_DIM_V: tl.constexpr, INTERPRET: tl.constexpr):
     """Accumulate dQ (unscaled) of one query block over key blocks [start_n, end_n), and add
     their dS to the mask and table gradients."""
     offs_n = tl.arange(0, BLOCK_N)
     cols = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
     for block_n in range(start_n, end_n, BLOCK_N):
         n64 = tl.cast(block_n, tl.int64)
         k_idx = block_n + offs_n
         k = _operand(_load_rows(k_head + n64 * stride_kn + k_offs, k_idx, Lk, cols, HEAD_DIM,
                                 BLOCK_D, EDGE), INTERPRET)
-        v = _operand(_load_rows(v_head + n64 * stride_vn + v_offs, k_idx, Lk, cols, HEAD_DIM,
-                                BLOCK_D, EDGE), INTERPRET)
+        v = _operand(_load_rows(v_head + n64 * stride_vn + v_offs, k_idx, Lk, cols_v,
+                                HEAD_DIM_V, BLOCK_DV, EDGE), INTERPRET)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         t, u = _scores(qk, q_idx[:, None], k_idx[None, :], mask_rows + n64 * stride_mn + mask_offs,
                        (kpm_head + n64 * stride_kpn + offs_n * stride_kpn)[None, :], Lq, Lk,
@@ -505,6 +518,7 @@ def attn_bwd_dq_kernel(
     DROPOUT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, WINDOW_LEFT: tl.constexpr,
     WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, TABLE: tl.constexpr,
     MASK_GRAD: tl.constexpr, TABLE_GRAD: tl.constexpr, PACKED: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     num_m = tl.cdiv(Lq, BLOCK_M)
@@ -523,19 +537,20 @@ def attn_bwd_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     q_idx = start_m + offs_m
     cols = tl.arange(0, BLOCK_D)
+    cols_v = tl.arange(0, BLOCK_DV)
     q = _operand(_load_rows(q_ptr + b * stride_qb + h * stride_qh + m64 * stride_qm
                             + offs_m[:, None] * stride_qm + cols[None, :], q_idx, Lq, cols,
                             HEAD_DIM, BLOCK_D, True), INTERPRET)
     do = _operand(_load_rows(do_ptr + b * stride_dob + h * stride_doh + m64 * stride_dom
-                             + offs_m[:, None] * stride_dom + cols[None, :], q_idx, Lq, cols,
-                             HEAD_DIM, BLOCK_D, True), INTERPRET)
+                             + offs_m[:, None] * stride_dom + cols_v[None, :], q_idx, Lq, cols_v,
+                             HEAD_DIM_V, BLOCK_DV, True), INTERPRET)
     row = b * stride_lb + h * stride_lh + q_start + q_idx
     lse2 = tl.load(lse_ptr + row, mask=q_idx < Lq, other=float("inf")) * LOG2E
     delta = tl.load(delta_ptr + row, mask=q_idx < Lq, other=0.0)
     k_head = k_ptr + b * stride_kb + hkv * stride_kh + k_start * stride_kn
     v_head = v_ptr + b * stride_vb + hkv * stride_vh + k_start * stride_vn
     k_offs = offs_n[:, None] * stride_kn + cols[None, :]
-    v_offs = offs_n[:, None] * stride_vn + cols[None, :]
+    v_offs = offs_n[:, None] * stride_vn + cols_v[None, :]
     mask_rows = mask_ptr + b * stride_mb + h * stride_mh + m64 * stride_mm
     mask_offs = offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
     dmask_rows = dmask_ptr + b * stride_dmb + h * stride_dmh + m64 * stride_dmm
@@ -564,7 +579,7 @@ def attn_bwd_dq_kernel(
                 stride_kn, stride_vn, stride_mn, stride_kpn, stride_dmn, H, Lq, Lk, band, terms,
                 seed, rng_q, drop_threshold, drop_scale, MASK_KIND, HAS_KPM, DROPOUT,
                 WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, ALIBI, TABLE, MASK_GRAD, TABLE_GRAD,
-                part != 1, BLOCK_N, BLOCK_D, HEAD_DIM, INTERPRET)
+                part != 1, BLOCK_N, BLOCK_D, HEAD_DIM, BLOCK_DV, HEAD_DIM_V, INTERPRET)
     _store_rows(dq_ptr + b * stride_dqb + h * stride_dqh + m64 * stride_dqm
                 + offs_m[:, None] * stride_dqm + cols[None, :],
                 dq * scale, q_idx, Lq, cols, HEAD_DIM, INTERPRET)
@@ -576,7 +591,7 @@ def _configs(shapes):
             for m, n, w, s in shapes]
 
 
-# GPU: (BLOCK_M, BLOCK_N, warps, stages), autotuned per TUNE_KEY (lengths, head dim, band) and
+# GPU: (BLOCK_M, BLOCK_N, warps, stages), autotuned per TUNE_KEY (lengths, head dims, band) and
 # dtype.
 # Chosen from what ptxas reports at D = 128, bf16, sm_90 (compiled on a machine without a GPU;
 # run times not measured): these spill at most 48 bytes of registers there, while 4-warp
@@ -590,7 +605,7 @@ DKDV_CONFIGS = _configs([(32, 64, 8, 2), (32, 64, 8, 3), (16, 64, 8, 3), (32, 12
                          (64, 64, 4, 3)])
 DQ_CONFIGS = _configs([(64, 32, 8, 3), (128, 32, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3),
                        (128, 64, 8, 2)])
-TUNE_KEY = ["Lq", "Lk", "HEAD_DIM", "BOTTOM_RIGHT", "WINDOW_LEFT", "WINDOW_RIGHT"]
+TUNE_KEY = ["Lq", "Lk", "HEAD_DIM", "HEAD_DIM_V", "BOTTOM_RIGHT", "WINDOW_LEFT", "WINDOW_RIGHT"]
 
 # Interpreter: one fixed config of large blocks. It pays ~1 ms per program and per helper call
 # (its tl.dot is a plain numpy loop, as costly per multiply-add at any tile size): 128-wide

@@ -162,7 +162,7 @@ def _call(inputs, o: AttentionOptions) -> backends.Call:
             and torch.is_grad_enabled()):
         features.append("attn_mask_grad")  # a learned bias: the backward writes its gradient
     return backends.Call("attention", q.device.type, q.dtype, o.set_fields(),
-                         frozenset(features), head_dim=q.shape[-1])
+                         frozenset(features), head_dim=q.shape[-1], v_head_dim=v.shape[-1])
 
 
 def _out_like(q: Tensor, v: Tensor) -> Tensor:
@@ -218,18 +218,22 @@ class _Cuda(Impl):
 
 @ATTENTION.implementation
 class _Triton(Impl):
-    """ops/attention_triton.py (triton_kernels/attention.py): head dims 16..256, every
-    option (windows, softcap, ALiBi, sinks, the T5 bias table, learned float masks), packed
-    sequences (without masks or the bias table; no KV cache)."""
+    """ops/attention_triton.py (triton_kernels/attention.py): head dims 16..256 (D of q, k
+    and Dv of v, which may differ: MLA), every option (windows, softcap, ALiBi, sinks, the T5
+    bias table, learned float masks), packed sequences (without masks or the bias table; no KV
+    cache)."""
 
     backend = "triton"
     dtypes = GPU_FLOAT
     options = _CORE | _MASKS_DROPOUT | _VARIANTS | _PACKED
-    features = frozenset({"gqa", "attn_mask_grad"})
+    features = frozenset({"gqa", "v_head_dim_differs", "attn_mask_grad"})
     head_dims = (16, 256)
 
     def reasons(self, call):
         why = super().reasons(call)
+        lo, hi = self.head_dims
+        if call.v_head_dim is not None and not lo <= call.v_head_dim <= hi:
+            why.append(f"v head dim (Dv) {call.v_head_dim} outside {lo}..{hi}")
         if "cu_seqlens_q" in call.options:
             clash = sorted(call.options & {"attn_mask", "key_padding_mask", "rel_bias"})
             if clash:

@@ -1,21 +1,22 @@
 """Launchers of the Triton flash-attention kernels (triton_kernels/attention.py).
 
-Called by ``_Triton`` in ops/attention.py with validated inputs: q (B, H, Lq, D), k and v
-(B, Hkv, Lk, D) with any strides and a contiguous last dim (activations are never copied), and
-the call's AttentionOptions ``o`` (reference/attention.py is the semantics of every field):
-attn_mask None or a bool / float tensor in its own shape, broadcastable to (B, H, Lq, Lk)
-(expanded here as a view: stride 0 on broadcast dims); key_padding_mask None or bool (B, Lk);
-causal 0/1/2; window_left / window_right (-1: no limit); softcap (0: off); alibi_slopes None
-or fp32 (H,) / (B, H); sinks None or fp32 (H,); rel_bias None or fp32 (H, Lq + Lk - 1); rng_state
-None or an int64 CPU tensor [seed, offset].
+Called by ``_Triton`` in ops/attention.py with validated inputs: q (B, H, Lq, D), k (B, Hkv, Lk, D)
+and v (B, Hkv, Lk, Dv) (Dv may differ from D, as in MLA: the kernels take both head dims, nothing is
+padded) with any strides and a contiguous last dim (activations are never copied), and the call's
+AttentionOptions ``o`` (reference/attention.py is the semantics of every field): attn_mask None or a
+bool / float tensor in its own shape, broadcastable to (B, H, Lq, Lk) (expanded here as a view:
+stride 0 on broadcast dims); key_padding_mask None or bool (B, Lk); causal 0/1/2; window_left /
+window_right (-1: no limit); softcap (0: off); alibi_slopes None or fp32 (H,) / (B, H); sinks None
+or fp32 (H,); rel_bias None or fp32 (H, Lq + Lk - 1); rng_state None or an int64 CPU tensor [seed,
+offset].
 
 Packed sequences (o.cu_seqlens_q set, FlashAttention's varlen layout): q (total_q, H, D), k
-and v (total_k, Hkv, D), out (total_q, H, Dv) and lse (H, total_q). The kernels take these
-(T, H, D) tensors as they are, with batch stride 0 (_strides3), and run in their PACKED mode:
-the grid's batch index is the sequence, sized by max_seqlen_q / max_seqlen_k; each program
-reads its sequence's first rows and lengths from cu_seqlens_q / cu_seqlens_k and its dropout
-counter base from the prefix sums of H * Lq_s * Lk_s (_packed_args). No attn_mask,
-key_padding_mask or relative bias with them (``_Triton`` declines those calls).
+(total_k, Hkv, D), v (total_k, Hkv, Dv), out (total_q, H, Dv) and lse (H, total_q). The kernels take
+these (T, H, D) tensors as they are, with batch stride 0 (_strides3), and run in their PACKED mode:
+the grid's batch index is the sequence, sized by max_seqlen_q / max_seqlen_k; each program reads its
+sequence's first rows and lengths from cu_seqlens_q / cu_seqlens_k and its dropout counter base from
+the prefix sums of H * Lq_s * Lk_s (_packed_args). No attn_mask, key_padding_mask or relative bias
+with them (``_Triton`` declines those calls).
 """
 from __future__ import annotations
 
@@ -133,12 +134,20 @@ def _packed_args(q: Tensor, lse: Tensor, o):
     return (cu_q, cu_k, rng_seq), (0, lse.stride(0)), True
 
 
+def _head_dims(q: Tensor, v: Tensor) -> dict:
+    """The kernels' head-dim constexprs: HEAD_DIM, BLOCK_D of q / k (D) and HEAD_DIM_V, BLOCK_DV
+    of v / out (Dv); BLOCK_* the next powers of two."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    return dict(HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D), HEAD_DIM_V=Dv,
+                BLOCK_DV=triton.next_power_of_2(Dv))
+
+
 def attention_fwd(q: Tensor, k: Tensor, v: Tensor, o):
-    """Returns (out (B, H, Lq, D) in q's dtype, stored as (B, Lq, H, D); lse (B, H, Lq) fp32,
+    """Returns (out (B, H, Lq, Dv) in q's dtype, stored as (B, Lq, H, Dv); lse (B, H, Lq) fp32,
     natural log, the sink included; +inf on rows with no allowed key and no sink). Packed:
-    out (total_q, H, D) and lse (H, total_q)."""
+    out (total_q, H, Dv) and lse (H, total_q)."""
     from ..triton_kernels import attention as tk
-    B, H, Hkv, Lq, Lk, D = _shape(q, k, o)
+    B, H, Hkv, Lq, Lk, _ = _shape(q, k, o)
     if o.cu_seqlens_q is None:
         out = q.new_empty((B, Lq, H, v.shape[-1])).transpose(1, 2)
         lse = torch.empty((B, H, Lq), dtype=torch.float32, device=q.device)
@@ -157,8 +166,8 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, o):
         *_strides3(q), *_strides3(k), *_strides3(v), *mask_strides, *kpm_strides,
         *_strides3(out), *var_strides, *lse_strides,
         H, H // Hkv, Lq, Lk, *scalars, *_dropout_args(o),
-        HEAD_DIM=D, MASK_KIND=mask_kind, HAS_KPM=has_kpm, DROPOUT=o.dropout_p > 0,
-        SINKS=o.sinks is not None, PACKED=packed, **flags, BLOCK_D=triton.next_power_of_2(D),
+        MASK_KIND=mask_kind, HAS_KPM=has_kpm, DROPOUT=o.dropout_p > 0,
+        SINKS=o.sinks is not None, PACKED=packed, **flags, **_head_dims(q, v),
         INTERPRET=tk.interpreter_mode(), **config)
     return out, lse
 
@@ -180,11 +189,11 @@ def _mask_grad_buffer(o, B: int, H: int, Lq: int, Lk: int):
 
 def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, o,
                   needs=None):
-    """Returns (dq, dk, dv, d attn_mask, d sinks, d rel_bias) in the inputs' dtypes; dk, dv
-    summed over each kv head's group; an option's gradient is None when the option is absent
-    (or a bool mask) or `needs` (q, k, v, attn_mask, sinks, rel_bias flags; None: all) does
-    not ask for it. d attn_mask has the mask's own shape (dS summed over its broadcast dims);
-    d sinks comes from the saved lse and delta: -sum_(b, i) exp(sink_h - lse) * delta.
+    """Returns (dq, dk, dv, d attn_mask, d sinks, d rel_bias) in the inputs' dtypes (dv, like v and
+    dout, Dv wide); dk, dv summed over each kv head's group; an option's gradient is None when the
+    option is absent (or a bool mask) or `needs` (q, k, v, attn_mask, sinks, rel_bias flags; None:
+    all) does not ask for it. d attn_mask has the mask's own shape (dS summed over its broadcast
+    dims); d sinks comes from the saved lse and delta: -sum_(b, i) exp(sink_h - lse) * delta.
     Packed: dq, dk, dv in the packed layout of q, k, v; lse (H, total_q)."""
     from ..triton_kernels import attention as tk
     B, H, Hkv, Lq, Lk, D = _shape(q, k, o)
@@ -211,18 +220,18 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     mask, mask_strides, kpm, kpm_strides, mask_kind, has_kpm = _mask_args(q, Lk, o)
     ptrs, var_strides, scalars, flags = _variant_args(q, Lq, Lk, o)
     seq_ptrs, lse_strides, packed = _packed_args(q, lse, o)
-    block_d = triton.next_power_of_2(D)
+    dims = _head_dims(q, v)
 
     delta = torch.empty_like(lse)  # row by row: packed, one batch row of total_q rows
     rows, batch = (q.shape[0], 1) if packed else (Lq, B)
     tk.attn_bwd_delta_kernel[(triton.cdiv(rows, tk.DELTA_BLOCK_M) * batch * H,)](
         out, dout, delta, *_strides3(out), *_strides3(dout), H, rows,
-        HEAD_DIM=D, BLOCK_M=tk.DELTA_BLOCK_M, BLOCK_D=block_d)
+        HEAD_DIM_V=dims["HEAD_DIM_V"], BLOCK_M=tk.DELTA_BLOCK_M, BLOCK_DV=dims["BLOCK_DV"])
 
     common = (*_strides3(q), *_strides3(k), *_strides3(v), *mask_strides, *kpm_strides,
               *_strides3(dout))
-    flags = dict(HEAD_DIM=D, MASK_KIND=mask_kind, HAS_KPM=has_kpm, DROPOUT=o.dropout_p > 0,
-                 PACKED=packed, **flags, BLOCK_D=block_d, INTERPRET=tk.interpreter_mode())
+    flags = dict(MASK_KIND=mask_kind, HAS_KPM=has_kpm, DROPOUT=o.dropout_p > 0,
+                 PACKED=packed, **flags, **dims, INTERPRET=tk.interpreter_mode())
     tail = (*scalars, scale, *_dropout_args(o))
 
     kernel, config = tk.kernel_and_config("dkdv")
