@@ -40,6 +40,12 @@ def _configs():
         "Llama-style 4x2048 GQA 32/8": (t.LlamaConfig, t.LlamaForCausalLM, llama, 1, 1024),
         "Mistral-style 4x2048 window 512": (t.MistralConfig, t.MistralForCausalLM,
                                             dict(llama, sliding_window=512), 1, 1024),
+        # multi-head latent attention (q/k head dim 192, v 128), dense MLPs (no MoE layer)
+        "DeepSeek-V3-style 4x2048 MLA": (t.DeepseekV3Config, t.DeepseekV3ForCausalLM,
+                                         dict(llama, num_attention_heads=16, num_key_value_heads=16,
+                                              q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64,
+                                              qk_nope_head_dim=128, v_head_dim=128,
+                                              first_k_dense_replace=4), 1, 1024),
         "BERT-base 12x768": (t.BertConfig, t.BertModel, dict(vocab_size=30522, hidden_size=768,
                               num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072), 4, 256),
         "GPT-2 small 12x768": (t.GPT2Config, t.GPT2LMHeadModel, dict(n_embd=768, n_layer=12, n_head=12,
