@@ -8,12 +8,14 @@ attention calls on torch >= 2.5); eager = transformers' eager attention (repeat_
 softmax, matmul). Work: the bytes of K and V read (the step is memory-bound), so the table's
 GB/s is the cache read rate.
 
-Generate case (--full only): greedy ``model.generate`` of a Llama-style model built from its
-config with random weights (4 layers, d = 1024, 16 query / 4 kv heads, prompt 2048, 128 new
-tokens, batch 1, the dynamic cache): ``ff.convert(model)`` (ours: the attention backend, fused
-norms, residual adds and MLPs) and ``attn_implementation="fastformer"`` alone (ours_attn) against
-"sdpa"; the time of one whole generate call (prefill + 128 steps), the ratio is the tokens/s
-ratio. The decode steps are memory-bound on the weights (torch's GEMVs, the same for all).
+Generate cases (--full only): greedy ``model.generate`` of a Llama-style model built from its
+config with random weights (4 layers, d = 1024, 16 query / 4 kv heads, the dynamic cache): one
+prompt of 2048 tokens + 128 new ones, and a batch of 8 prompts of 256 + 64 new.
+``ff.convert(model)`` (ours: the attention backend, fused norms, residual adds and MLPs),
+``attn_implementation="fastformer"`` alone (ours_attn) and, bf16 on CPUs with AMX,
+``ff.convert(model, prepack_weights=True)`` (ours_prepack: the batch's decode steps read the
+weights' oneDNN-blocked copies) against "sdpa"; the time of one whole generate call (prefill +
+the steps), the ratio is the tokens/s ratio. The decode steps are memory-bound on the weights.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import fastformer as ff
+from fastformer.ops import prepack
 
 from .common import Row, max_abs_err, policy_tolerance
 
@@ -30,7 +33,8 @@ HEADS, KV_HEADS, HEAD_DIM, CACHE = 32, 8, 128, 4096
 KERNEL_CASES = [  # (batch, new queries, paged)
     (1, 1, False), (8, 1, False), (1, 4, False), (1, 1, True),
 ]
-GENERATE = dict(layers=4, hidden=1024, heads=16, kv_heads=4, prompt=2048, new_tokens=128)
+GENERATE = dict(layers=4, hidden=1024, heads=16, kv_heads=4)
+GENERATE_RUNS = [dict(batch=1, prompt=2048, new_tokens=128), dict(batch=8, prompt=256, new_tokens=64)]
 # Verdict bound on a step's max_err (common.policy_tolerance): the outputs, averages over 4096
 # values of v, reach |y| ~ 0.12; eager's own max error on these inputs, bf16 0.0011 and fp16
 # 0.00018. A generate row's max_err counts the tokens that differ from sdpa's: none may in
@@ -55,15 +59,16 @@ def cases(device: str, dtypes: list, quick: bool = False):
             yield dict(kind="step", B=B, Lq=Lq, paged=paged, dtype=dtype, device=device, mode="fwd")
     if quick:
         return
-    for dtype in dtypes:
-        if dtype != torch.float16:
-            yield dict(kind="generate", dtype=dtype, device=device, mode="inference")
+    for run in GENERATE_RUNS:
+        for dtype in dtypes:
+            if dtype != torch.float16:
+                yield dict(kind="generate", dtype=dtype, device=device, mode="inference", **run)
 
 
 def case_name(c: dict) -> str:
     if c["kind"] == "generate":
-        g = GENERATE
-        return f"HF generate Llama {g['layers']}x{g['hidden']} prompt {g['prompt']} +{g['new_tokens']}"
+        g, batch = GENERATE, f"{c['batch']}x" if c["batch"] > 1 else ""
+        return f"HF generate Llama {g['layers']}x{g['hidden']} prompt {batch}{c['prompt']} +{c['new_tokens']}"
     paged = " paged" if c["paged"] else ""
     return f"B={c['B']} q={c['Lq']} {HEADS}/{KV_HEADS} heads D={HEAD_DIM} cache {CACHE}{paged}"
 
@@ -126,19 +131,22 @@ def _build_generate(c: dict):
     torch.manual_seed(0)
     base = LlamaForCausalLM(config).to(c["device"], c["dtype"]).eval()
     models = {}
-    for name, impl in (("ours", "fastformer"), ("ours_attn", "fastformer"), ("sdpa", "sdpa")):
+    names = [("ours", "fastformer"), ("ours_attn", "fastformer"), ("sdpa", "sdpa")]
+    if c["dtype"] == torch.bfloat16 and c["device"] == "cpu" and prepack.available():
+        names.append(("ours_prepack", "fastformer"))
+    for name, impl in names:
         m = copy.deepcopy(base)  # its own config: the attention implementation lives there
         m.set_attn_implementation(impl)
-        if name == "ours":
-            ff.convert(m)
+        if name != "ours_attn":
+            ff.convert(m, prepack_weights=name == "ours_prepack")
         models[name] = m
     del base
-    prompt = torch.randint(0, config.vocab_size, (1, g["prompt"]), generator=torch.Generator().manual_seed(0),
-                           device=c["device"])
+    prompt = torch.randint(0, config.vocab_size, (c["batch"], c["prompt"]),
+                           generator=torch.Generator().manual_seed(0), device=c["device"])
 
     def generate(model):
         with torch.no_grad():
-            return model.generate(prompt, max_new_tokens=g["new_tokens"], min_new_tokens=g["new_tokens"],
+            return model.generate(prompt, max_new_tokens=c["new_tokens"], min_new_tokens=c["new_tokens"],
                                   do_sample=False, pad_token_id=0)
     fns = {name: (lambda m=m: generate(m)) for name, m in models.items()}
 
