@@ -223,3 +223,16 @@ def test_prepack_weights_argument_and_where_it_does_not_apply(monkeypatch):
     report = ff.convert(copy.deepcopy(model), prepack_weights=True)
     assert not report.prepacked and any("AMX-BF16" in why for _, _, why in report.left)
     assert report.model.model.layers[0].mlp.down_proj.weight not in prepack._REGISTRY
+
+
+def test_prepacked_model_compiles_fullgraph_with_a_one_row_batch():
+    """Compiled calls skip the registry (dynamo does not trace its weak dictionary) and the
+    attention function's position-id restart search (data-dependent): a one-row bf16 batch with
+    a cache, as the models benchmark runs it, compiles as one graph and matches eager."""
+    torch._dynamo.reset()
+    model = ff.convert(_llama().bfloat16(), prepack_weights=True).model
+    ids = torch.randint(2, 100, (1, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = torch.compile(model, fullgraph=True)(input_ids=ids).logits
+    torch.testing.assert_close(got, want, atol=0.02 * want.abs().max().item(), rtol=0)

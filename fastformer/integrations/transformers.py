@@ -191,9 +191,13 @@ def _packed_sequences(attention_mask, kwargs: dict, B: int, Lq: int, Lk: int):
         return left, cu, cu, longest, longest
     # position_ids that restart (FlashAttention 2's contract in transformers: a packed row under
     # a plain causal mask, e.g. when a cache kept transformers from building the packed mask).
+    # Not under torch.compile: finding the restarts is data-dependent (a graph break in every
+    # layer of a one-row batch). Compiled calls keep transformers' own rule: its packed mask,
+    # built from position_ids when there is no cache, reaches build_mask; with a cache the row
+    # is one sequence, as under sdpa.
     positions = kwargs.get("position_ids")
     key_tag = getattr(attention_mask, _KEY_MASK_TAG, None)
-    if (positions is None or Lq != Lk or Lq < 2 or positions.shape[-1] != Lq
+    if (positions is None or torch.compiler.is_compiling() or Lq != Lk or Lq < 2 or positions.shape[-1] != Lq
             or not (attention_mask is None or (key_tag is not None and not key_tag[1]))):
         return None
     found = getattr(positions, _PACKED_TAG, None)  # computed once per forward, not per layer

@@ -181,7 +181,9 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     if not grad:
         if rows_kernel_takes(x, weight, bias):
             return rows_linear(x, weight, bias)
-        if prepack.registered(weight) and x.dim() >= 1 and x.shape[-1] > 0:
+        # (compiled calls never look: dynamo does not trace the registry's weak dictionary)
+        if (not torch.compiler.is_compiling() and prepack.registered(weight) and x.dim() >= 1
+                and x.shape[-1] > 0):
             x2 = x.reshape(-1, x.shape[-1])
             if prepack.takes(x2, (weight,), (bias,)):  # ff.convert(..., prepack_weights=True)
                 return prepack.linear(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
