@@ -36,6 +36,7 @@
 
 #include "cpu/attention_common.h"
 #include "cpu/attention_scores.h"
+#include "cpu/attention_sequences.h"
 #include "cpu/attention_mask_structure.h"
 
 namespace fastformer::cpu::CPU_CAPABILITY {

@@ -108,7 +108,7 @@ struct AttnArgs {
   const void* rel_bias = nullptr;    // (H, Lq + Lk - 1 + 64) accumulation type, contiguous: the
                                      //   bias of key j for query i at [h, j - i + Lq - 1]
   // Variable lengths (fastformer/ops/varlen.py; the kernels split such a call into one call
-  // per sequence, attention_common.h's split_sequences, or decode it, attention_decode.cpp):
+  // per sequence, attention_sequences.h's split_sequences, or decode it, attention_decode.cpp):
   //   packed: B = 1, the views (1, H, total, D); sequence s is rows cu_q[s] .. cu_q[s + 1] of q
   //   and cu_k[s] .. cu_k[s + 1] of k / v (n_seqs of them; ALiBi slopes (S, H): row s);
   //   a KV cache: batch row b's keys are rows 0 .. k_lens[b] (the band's d: k_lens[b] - Lq);
