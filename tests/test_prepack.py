@@ -90,6 +90,12 @@ def test_calls_outside_the_rule_make_no_copy():
     y.float().sum().backward()
     assert not _copy_made(wg) and wg.grad is not None
     torch.testing.assert_close(wg.grad, torch.ones(24, 4).bfloat16() @ x)
+    with torch.inference_mode():             # no version counter: the plain route
+        w_inf = w.clone()
+    prepack.register(w_inf)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin.linear(x, w_inf, b), F.linear(x, w_inf, b))
+    assert not _copy_made(w_inf)
     unregistered, _, _ = _weights(24, 32, False, 1)
     with torch.no_grad():
         lin.linear(x, unregistered)

@@ -24,8 +24,9 @@ and oneDNN's fp32 matmul on a reordered weight read the same as plain F.linear (
 
 A registered weight gets its blocked copy on its first call that takes it, and a new one when
 the weight changes (its version counter, storage or dtype: an optimizer step, load_state_dict,
-``.data =``, ``model.to``), so the copy never serves stale values. The copy costs the weight's
-memory a second time, which is why it is opt-in.
+``.data =``, ``model.to``), so the copy never serves stale values; weights made under
+``torch.inference_mode`` have no version counter and keep the plain route. The copy costs the
+weight's memory a second time, which is why it is opt-in.
 """
 from __future__ import annotations
 
@@ -80,8 +81,9 @@ def takes(x2: Tensor, weights, biases=()) -> bool:
     biases = [b for b in biases if b is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x2, *weights, *biases)):
         return False
+    # Inference tensors (made under torch.inference_mode) have no version counter to follow.
     return (all(w in _REGISTRY and _plain(w) and w.dtype == x2.dtype and w.dim() == 2
-                and w.device.type == "cpu" for w in weights)
+                and w.device.type == "cpu" and not w.is_inference() for w in weights)
             and all(_plain(b) and b.dtype == x2.dtype and b.dim() == 1 and b.device.type == "cpu"
                     for b in biases))
 
