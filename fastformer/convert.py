@@ -149,8 +149,9 @@ def convert(model: nn.Module, inplace: bool = True, *, fused_loss: bool = True,
             transformers model gets a second copy in oneDNN's blocked layout, which its bf16
             calls without a gradient of 2 to 2047 token rows read instead (prompts and batched
             decode steps: 1.05-1.7x per GEMM; see ops/prepack.py). Costs the weights' memory
-            once more; copies follow weight updates. Where the CPU or torch lacks the route,
-            ``.left`` says so and nothing is copied.
+            once more; copies follow weight updates and are freed with their weights (a deep
+            copy of the model has new weights, not registered). Where the CPU or torch lacks
+            the route, ``.left`` says so and nothing is copied.
 
     Returns:
         A :class:`ConversionReport`: ``.model`` (the converted model), ``.replaced`` and
