@@ -137,7 +137,7 @@ def _build_generate(c: dict):
     for name, impl in names:
         m = copy.deepcopy(base)  # its own config: the attention implementation lives there
         m.set_attn_implementation(impl)
-        if name != "ours_attn":
+        if name in ("ours", "ours_prepack"):  # ours_attn: the attention backend alone
             ff.convert(m, prepack_weights=name == "ours_prepack")
         models[name] = m
     del base
