@@ -209,3 +209,23 @@ def test_case_memory_sees_a_64_mib_allocation():
     if mem["big"] is None:
         pytest.skip("glibc's mallopt or /proc/self/clear_refs is not available")
     assert 60 <= mem["big"] <= 70 and mem["none"] < 2
+
+
+def test_decode_generate_candidates_are_what_their_names_say(monkeypatch):
+    """The decode suite's generate case (a small stand-in config): sdpa is Hugging Face's sdpa
+    model unconverted, ours_attn only the fastformer attention backend, ours (and ours_prepack)
+    the converted model."""
+    pytest.importorskip("transformers", reason="needs transformers")
+    from fastformer.benchmarks import decode
+    monkeypatch.setattr(decode, "GENERATE", dict(layers=1, hidden=64, heads=4, kv_heads=2))
+    c = dict(kind="generate", dtype=torch.bfloat16, device="cpu", mode="inference", batch=2, prompt=5,
+             new_tokens=2)
+    fns, _, _ = decode.build(c)
+    models = {name: fn.__defaults__[0] for name, fn in fns.items()}
+    converted = {name: any(hasattr(type(m), "_ff_what") for m in model.modules())
+                 for name, model in models.items()}
+    assert models["sdpa"].config._attn_implementation == "sdpa" and not converted["sdpa"]
+    assert models["ours_attn"].config._attn_implementation == "fastformer" and not converted["ours_attn"]
+    assert converted["ours"] and models["ours"].config._attn_implementation == "fastformer"
+    assert converted.get("ours_prepack", True)
+    assert fns["ours"]().shape == (2, 7)
