@@ -86,6 +86,11 @@ def needs_grad(tensors: tuple) -> bool:
     return False
 
 
+def plain_tensor(t) -> bool:
+    """A tensor or parameter, not a subclass that intercepts ops (FakeTensor, DTensor, ...)."""
+    return type(t) in (Tensor, torch.nn.Parameter)
+
+
 def rowwise(t: Optional[Tensor]) -> Optional[Tensor]:
     """A tensor whose last dim is contiguous; copies only when it is not.
 

@@ -51,5 +51,10 @@ def onednn_post_ops() -> bool:
 def fast_bf16_gemm() -> bool:
     """Whether torch's CPU bf16 matmuls run on bf16 dot-product instructions here."""
     probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    return bool((probe and probe()) or amx_bf16())
+
+
+def amx_bf16() -> bool:
+    """Whether torch's CPU bf16 matmuls run on AMX tiles here."""
     amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool((probe and probe()) or (amx and amx()))
+    return bool(amx and amx())

@@ -32,15 +32,10 @@ from torch import Tensor
 
 from .. import _ext
 from . import prepack
-from ._opdef import rowwise
+from ._opdef import plain_tensor as _plain, rowwise
 
 # Most rows a call may have to take the kernel, per weight dtype (measured, see above).
 MAX_ROWS = {torch.float32: 8, torch.bfloat16: 1, torch.float16: 1}
-
-
-def _plain(t) -> bool:
-    """A tensor or parameter, not a subclass that intercepts ops (FakeTensor, DTensor, ...)."""
-    return type(t) in (Tensor, torch.nn.Parameter)
 
 
 def rows_kernel_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:

@@ -37,6 +37,9 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import cpu_gemm
+from ._opdef import plain_tensor as _plain
+
 MIN_ROWS, MAX_ROWS = 2, 2047
 PACK_HINT_ROWS = 128
 _NO_POST_OP = ("none", [], "")
@@ -48,10 +51,8 @@ _REGISTRY: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
     """Whether this torch and CPU run the blocked-weight route (AMX-BF16 and oneDNN's ops)."""
-    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    return bool(amx and amx() and torch.backends.mkldnn.is_available()
-                and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (cpu_gemm.amx_bf16() and cpu_gemm.onednn_post_ops()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 def register(weight: Tensor) -> None:
@@ -62,10 +63,6 @@ def register(weight: Tensor) -> None:
 
 def registered(weight: Tensor) -> bool:
     return weight in _REGISTRY
-
-
-def _plain(t) -> bool:
-    return type(t) in (Tensor, torch.nn.Parameter)
 
 
 def takes(x2: Tensor, weights, biases=()) -> bool:
