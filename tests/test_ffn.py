@@ -8,6 +8,7 @@ from conftest import backend_params
 from oracle import check, row_sum_tol
 
 import fastformer as ff
+from fastformer.ops.linear import max_rows
 from fastformer.reference.rng import draw_rng_state, keep_mask
 
 ACTS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
@@ -112,12 +113,11 @@ def test_cpu_matches_eager(tokens, d, hidden, dtype, act, gated, bias):
 def test_cpu_fp32_routes_match_eager(monkeypatch, route, tokens, d, hidden, dtype, act, gated, bias):
     from fastformer import backends
     from fastformer.ops import cpu_gemm
-    from fastformer.ops import ffn as ops
     monkeypatch.setenv(cpu_gemm.FP32_GEMM_ENV, route)
     backends.clear_cache()
     try:
         _backend_matches_eager("cpu", tokens, d, hidden, dtype, act, gated, bias)
-        if tokens >= ops.FEW_ROWS:
+        if tokens > max_rows(torch.float32):
             assert ff.last_dispatch().impl == ("cpu.onednn" if route == "torch" else "cpu"), \
                 ff.last_dispatch()
     finally:

@@ -1,5 +1,5 @@
 """ops/linear.py (csrc/cpu/linear_rows.cpp): x @ W^T + b for the few-row calls of decoding,
-against the fp64 product, across rows 1-8, odd feature counts (vector tails), biases, strided
+against the fp64 product, across rows 1-100 (fp32; 1-8 bf16 / fp16), odd feature counts (vector tails), biases, strided
 weight rows and the dtypes it takes; the calls it does not take return F.linear's result."""
 import pytest
 import torch
@@ -13,8 +13,11 @@ pytestmark = pytest.mark.skipif(ff._ext.C is None or not hasattr(ff._ext.C, "lin
                                 reason="fastformer._C is not built")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+# fp32 from 3 rows: the transposed form (x^T packed, weight scalars broadcast), chunks of 64 rows
+# (avx512) / 16 (avx2), zero-padded vectors of rows, weight-row blocks and their tails.
+@pytest.mark.parametrize("dtype,rows", [(dt, r) for dt in (torch.float32, torch.bfloat16, torch.float16)
+                                        for r in (1, 2, 3, 5, 8)]
+                         + [(torch.float32, r) for r in (9, 16, 17, 33, 64, 65, 100)])
 @pytest.mark.parametrize("in_f,out_f", [(1, 1), (17, 203), (40, 113), (128, 72), (80, 1)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_fp64_product(dtype, rows, in_f, out_f, bias):
@@ -32,10 +35,39 @@ def test_kernel_matches_fp64_product(dtype, rows, in_f, out_f, bias):
         assert_lowp_rule("y", got, want, F.linear(x, w, b), OUT_FACTOR, LOWP_ATOL[dtype])
 
 
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
+def test_transposed_form_at_each_level_matches_fp64(level):
+    """The transposed form's blocks depend on the vector width: both levels, rows across
+    their chunk sizes, against the fp64 product."""
+    if level not in ff._ext.cpu_info()["built"] or level == "avx512" and ff._ext.cpu_info()["max_capability"] != "avx512":
+        pytest.skip(f"the {level} kernels are not built or this CPU lacks them")
+    before = ff._ext.cpu_level()
+    ff._ext.set_cpu_capability(level)
+    try:
+        g = torch.Generator().manual_seed(7)
+        for rows in (3, 15, 16, 31, 32, 47, 70):
+            x, w, b = (torch.randn(*s, generator=g) for s in ((rows, 203), (113, 203), (113,)))
+            torch.testing.assert_close(ff._ext.C.linear_rows(x, w, b).double(),
+                                       F.linear(x.double(), w.double(), b.double()),
+                                       atol=1e-5 * 203 ** 0.5, rtol=1e-5)
+    finally:
+        ff._ext.set_cpu_capability(before)
+
+
+def test_kernel_refuses_more_than_8_reduced_precision_rows():
+    with pytest.raises(RuntimeError, match="1..8 rows unless the weight is f32"):
+        ff._ext.C.linear_rows(torch.randn(9, 32).bfloat16(), torch.randn(4, 32).bfloat16(), None)
+
+
 def test_linear_uses_the_kernel_only_where_it_is_measured_faster():
     w = torch.randn(64, 32)
-    assert lin.rows_kernel_takes(torch.randn(8, 32), w, None)
-    assert not lin.rows_kernel_takes(torch.randn(9, 32), w, None)          # more rows: GEMM
+    most = lin.max_rows(torch.float32)
+    assert most == {"avx512": 64, "avx2": 32}.get(ff._ext.cpu_level(), 0)
+    if most == 0:
+        assert not lin.rows_kernel_takes(torch.randn(1, 32), w, None)  # default level: never
+        return
+    assert lin.rows_kernel_takes(torch.randn(most, 32), w, None)
+    assert not lin.rows_kernel_takes(torch.randn(most + 1, 32), w, None)  # more rows: GEMM
     wb = w.bfloat16()
     assert lin.rows_kernel_takes(torch.randn(1, 32).bfloat16(), wb, None)
     assert not lin.rows_kernel_takes(torch.randn(2, 32).bfloat16(), wb, None)

@@ -234,16 +234,20 @@ struct FfnActArgs {
   bool identity = false;             // no activation, no up: h = gate * keep / (1 - p) (dropout alone)
 };
 
-// y = x W^T (+ b) for 1-8 rows of x (csrc/cpu/linear_rows.cpp): the decode-time projections.
+// y = x W^T (+ b) for a few rows of x (csrc/cpu/linear_rows.cpp): the decode-time projections.
 struct LinearRowsArgs {
   DType dtype;                       // the weight's and bias' (f32, bf16, f16); x and y are f32
-  int64_t rows = 0;                  // 1..8
+  int64_t rows = 0;                  // 1..8 (any with x_t)
   int64_t in_features = 0, out_features = 0;
   const void* weight = nullptr;      // (out, in), row stride ld_weight, column stride 1
   int64_t ld_weight = 0;
   const float* x = nullptr;          // (rows, in) contiguous
   const void* bias = nullptr;        // (out,) contiguous in the weight's dtype, or nullptr
   float* y = nullptr;                // (rows, out) contiguous
+  // f32 weights, 3 or more rows: x transposed instead, (in, ld_x_t) with ld_x_t a multiple of
+  // 16 >= rows, the padding columns zero; x is then unused.
+  const float* x_t = nullptr;
+  int64_t ld_x_t = 0;
 };
 
 // Weight gradient of a linear layer in bf16 on AMX (csrc/cpu/weight_grad.cpp): C (m x n) = P^T Q

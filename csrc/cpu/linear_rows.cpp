@@ -1,13 +1,16 @@
-// y = x W^T (+ b) for a few rows of x (decoding: one token per sequence), W (O, I) in the
-// weights' dtype, x given in fp32 (the binding converts its few rows), y in fp32.
+// y = x W^T (+ b) for a few rows of x (decoding: one token per sequence, or the few tokens of a
+// speculative step), W (O, I) in the weights' dtype, y in fp32.
 //
 // The cost is reading W once: O x I elements streamed from memory (a Llama layer's weights are
-// far beyond the caches), against rows x I x O FMAs on values already in registers. torch's
-// matmul for one row (MKL / oneDNN GEMV) read weights at 14-20 GB/s on a 2-core Zen 5 where a
-// plain sequential read runs at ~30 (benchmarks/decode.py's generate case is these calls).
-// Here: tasks over blocks of W's rows (at::parallel_for, each thread streams its own
-// contiguous block); within a task WB = max(1, 8 / rows) weight rows are walked together so that
-// 8 independent FMA chains hide the FMA latency, each x row read from L1.
+// far beyond the caches), against rows x I x O FMAs. Tasks over blocks of W's rows
+// (at::parallel_for, each thread streams its own contiguous block). Two forms:
+//  * f32 weights with 1-2 rows, bf16 / f16 weights with 1-8, x in fp32 rows: dot products along I, WB =
+//    max(1, 8 / rows) weight rows walked together so that 8 independent FMA chains hide the FMA
+//    latency, each x row read from L1, one horizontal sum per output.
+//  * more rows (f32 weights), x transposed (below): the dot form reloads every x row per
+//    weight vector (x no longer fits L1: 8 rows of 4096 fp32 are 128 KiB) and ran 14.6 GB/s at
+//    8 rows on the 2-core AMX Xeon against 24-27 for this form up to 16 rows; 3 rows 24.9 vs
+//    23.2 GB/s, 2 rows 25.0 vs 27.1 (ops/linear.py has the measurement).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -76,9 +79,97 @@ void linear_rows_dispatch(const LinearRowsArgs& a) {
   }
 }
 
+// ---- more rows: x transposed, one weight scalar broadcast against a vector of rows -----------
+// y^T = W x^T as a GEMM whose A is W (row-major, read as it lies) and whose B is x^T (in,
+// ld_x_t) packed by the binding with the rows zero-padded to a multiple of 16. For each k, MV
+// vectors of x^T's row k (MV * kV token rows, from L1/L2: x^T is in x ld_x_t floats) meet MR
+// weight scalars W[o + j][k], each broadcast: MR x MV accumulators, MR + MV loads per MR x MV
+// FMAs, no horizontal sums. The weights stream once from memory in MR concurrent row streams,
+// each prefetched 128 elements (8 lines) ahead: without it the 4-byte steps through each line
+// kept too few misses in flight (21.5 -> 24.6 GB/s at 16 rows; 64 or 256 ahead: 23.0, 22.6).
+// Rows beyond one chunk of kChunkVectors re-read the MR-row block from L2 (o-block outer).
+template <int MV>
+constexpr int block_weight_rows() {  // MR: MR x MV accumulators + MV x vectors (+ 1 broadcast
+  // register under AVX2, which has no broadcast memory operand) within 32 zmm / 16 ymm
+  return Vectorized<float>::size() == 16 ? std::min(10, 24 / MV) : std::min(12, (15 - MV) / MV);
+}
+// Vectors of rows per chunk: 4 zmm (64 rows), 2 ymm (16 rows; 4 left 2 weight rows per block)
+constexpr int64_t kChunkVectors = Vectorized<float>::size() == 16 ? 4 : 2;
+
+template <int MV, int MR>
+inline void weight_block_t(const LinearRowsArgs& a, int64_t o, int64_t col) {
+  using V = Vectorized<float>;
+  constexpr int64_t kV = V::size();
+  const int64_t I = a.in_features, O = a.out_features, ld = a.ld_weight;
+  const float* W = static_cast<const float*>(a.weight) + o * ld;
+  const float* xt = a.x_t + col;
+  V acc[MR][MV];
+  for (int j = 0; j < MR; ++j)
+    for (int v = 0; v < MV; ++v) acc[j][v] = V(0.0f);
+  const auto step = [&](int64_t k) {
+    V xv[MV];
+    for (int v = 0; v < MV; ++v) xv[v] = V::loadu(xt + k * a.ld_x_t + v * kV);
+    for (int j = 0; j < MR; ++j) {
+      const V wv(W[j * ld + k]);
+      for (int v = 0; v < MV; ++v) acc[j][v] = at::vec::fmadd(wv, xv[v], acc[j][v]);
+    }
+  };
+  int64_t k = 0;
+  for (; k + 16 <= I; k += 16) {
+    for (int j = 0; j < MR; ++j) __builtin_prefetch(W + j * ld + k + 128, 0, 3);
+    for (int kk = 0; kk < 16; ++kk) step(k + kk);
+  }
+  for (; k < I; ++k) step(k);
+  alignas(64) float lanes[MV * kV];
+  const int64_t valid = std::min<int64_t>(MV * kV, a.rows - col);
+  for (int j = 0; j < MR; ++j) {
+    for (int v = 0; v < MV; ++v) acc[j][v].store(lanes + v * kV);
+    const float b = a.bias ? static_cast<const float*>(a.bias)[o + j] : 0.0f;
+    for (int64_t r = 0; r < valid; ++r) a.y[(col + r) * O + o + j] = lanes[r] + b;
+  }
+}
+
+// Output rows [o, o + MR) for every row of x: chunks of up to four vectors of rows (MR is the
+// widest chunk's block, so every chunk's accumulators fit).
+template <int MR>
+inline void weight_rows_t(const LinearRowsArgs& a, int64_t o) {
+  constexpr int64_t kV = Vectorized<float>::size();
+  constexpr int64_t kChunk = kChunkVectors * kV;
+  for (int64_t col = 0; col < a.rows; col += kChunk) {
+    switch ((std::min(kChunk, a.rows - col) + kV - 1) / kV) {
+      case 1: weight_block_t<1, MR>(a, o, col); break;
+      case 2: weight_block_t<2, MR>(a, o, col); break;
+      case 3: if constexpr (kChunkVectors >= 3) weight_block_t<3, MR>(a, o, col); break;
+      default: if constexpr (kChunkVectors >= 4) weight_block_t<4, MR>(a, o, col); break;
+    }
+  }
+}
+
+template <int MR>
+void linear_rows_transposed_blocks(const LinearRowsArgs& a) {
+  const int64_t grain = std::max<int64_t>(
+      MR, kWeightBytesPerTask / std::max<int64_t>(1, a.in_features * 4) / MR * MR);
+  at::parallel_for(0, a.out_features, grain, [&](int64_t begin, int64_t end) {
+    int64_t o = begin;
+    for (; o + MR <= end; o += MR) weight_rows_t<MR>(a, o);
+    for (; o < end; ++o) weight_rows_t<1>(a, o);
+  });
+}
+
+void linear_rows_transposed(const LinearRowsArgs& a) {
+  constexpr int64_t kV = Vectorized<float>::size();
+  switch (std::min<int64_t>(kChunkVectors, (a.rows + kV - 1) / kV)) {
+    case 1: return linear_rows_transposed_blocks<block_weight_rows<1>()>(a);
+    case 2: return linear_rows_transposed_blocks<block_weight_rows<2>()>(a);
+    case 3: return linear_rows_transposed_blocks<block_weight_rows<3>()>(a);
+    default: return linear_rows_transposed_blocks<block_weight_rows<kChunkVectors>()>(a);
+  }
+}
+
 }  // namespace
 
 void linear_rows(const LinearRowsArgs& args) {
+  if (args.x_t) return linear_rows_transposed(args);  // f32 weights, 3 or more rows
   switch (args.dtype) {
     case DType::f32: return linear_rows_dispatch<float>(args);
     case DType::bf16: return linear_rows_dispatch<c10::BFloat16>(args);

@@ -32,7 +32,7 @@ from ..reference.ffn import ACTIVATIONS
 from ..reference.rng import draw_rng_state
 from . import prepack
 from .cpu_gemm import ONEDNN_POST_OPS, fast_bf16_gemm, onednn_post_ops, torch_fp32_gemm_wins
-from .linear import linear, rows_kernel_takes, rows_linear, weight_grad
+from .linear import linear, max_rows, rows_kernel_takes, rows_linear, weight_grad
 from ._opdef import OpDef, Options, compiled, needs_grad, options, rowwise
 
 _ACT_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
@@ -73,8 +73,8 @@ def _call(inputs, o: FfnOptions) -> backends.Call:
             f.add("last_dim_strided")
         if not _uniform_rows(x):
             f.add("rows_strided")
-    if x.numel() < FEW_ROWS * x.shape[-1]:
-        f.add("few_rows")
+    if x.numel() <= max_rows(torch.float32) * x.shape[-1]:
+        f.add("few_rows")  # fp32: the rows kernel's calls (ops/linear.py), whatever the GEMM rule
     return backends.Call("ffn", x.device.type, x.dtype, o.set_fields(), frozenset(f),
                          hidden=w1.shape[0])
 
@@ -102,7 +102,6 @@ FFN = OpDef("ffn", inputs=("x", "w1", "b1?", "w2", "b2?", "w_up?", "b_up?"), opt
 # packs both weights on every call, which a handful of rows cannot repay. Measured on a 2-core
 # Zen 5 (fp32, no dropout, forward): SwiGLU (N, 1024, 2816) N = 1: packed 2.14 ms, torch 1.75;
 # N = 8: packed 2.27, torch 2.82; GELU (N, 768, 3072) N = 1: 1.23 vs 0.49, N = 8: 0.90 vs 1.26.
-FEW_ROWS = 8
 _FEATURES = frozenset({"bias", "gated", "few_rows"})
 _NO_DROPOUT = frozenset({"activation", "store_preactivation"})
 _EVERY = _NO_DROPOUT | {"dropout_p", "rng_state"}
@@ -310,7 +309,8 @@ class _CpuOnednn(_VendorGemm):
         GEMM); on a 2-core Zen 5 with AVX512-BF16, SwiGLU (2048, 1024, 2816) forward 53 ms vs
         the packed kernel's 104, forward+backward 140 vs 281;
       * fp32 where torch's fp32 GEMM is faster than the packed one (torch_fp32_gemm_wins);
-      * fp32 calls with fewer than FEW_ROWS token rows (above).
+      * fp32 calls with as few token rows as linear_rows.cpp takes (linear.max_rows: 64 on
+        avx512, 32 on avx2), whose projections are that kernel's.
     Saves what the fused kernel saves (the pre-activation, never act(pre)); h is rounded to bf16
     before the second GEMM, as eager PyTorch's is."""
 
@@ -395,7 +395,7 @@ class _CpuOnednn(_VendorGemm):
         if call.dtype == torch.float32 and "few_rows" not in call.features:
             wins, why = torch_fp32_gemm_wins()
             if not wins:
-                return [f"fp32 with {FEW_ROWS} or more token rows: {why}"]
+                return [f"fp32 with more than {max_rows(torch.float32)} token rows: {why}"]
         if call.dtype == torch.bfloat16 and not fast_bf16_gemm():
             return ["torch's bf16 GEMMs have no AVX512-BF16 / AMX-BF16 dot products on this CPU"]
         return []

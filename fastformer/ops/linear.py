@@ -2,13 +2,20 @@
 (csrc/cpu/linear_rows.cpp) and, in bf16 training on AMX, the weight gradient
 (csrc/cpu/weight_grad.cpp).
 
-A decode step multiplies one token's activations (a few rows: one per sequence) by every weight
-matrix of the model, so its time is the time to read the weights. torch's CPU matmul for such
-calls (MKL / oneDNN GEMV) read fp32 weights at 14-18 GB/s on a 2-core Zen 5 where
-linear_rows.cpp reads 20-61 GB/s (1-4 rows, weights of (1024..32000) x (1024..2816), eight
-matrices in turn so that none stays cached). bf16 / fp16 weights take it for one row only: with
-more rows the bf16-to-fp32 conversion per weight vector made it 0.6-0.9x torch's (which uses
-AVX512-BF16 dot products there).
+A decode step multiplies one token's activations (a few rows: one per sequence, or the few
+tokens a speculative step verifies) by every weight matrix of the model, so its time is the time
+to read the weights. torch's fp32 CPU matmul for such calls (MKL) reads them at ~28 GB/s for 1-3
+rows but at 14 GB/s for 4-6 rows and 6-9 GB/s for 8-64 rows on the 2-core AMX Xeon (it packs the
+weight as a GEMM operand), where linear_rows.cpp streams them at 24-27 GB/s up to 16 rows and
+runs at 250-270 GFLOP/s (~80% of the calibrated fp32 peak) for 32-48 rows. fp32 weights of
+(11008 x 4096, 4096 x 11008, 4096 x 4096), eight matrices in turn so that none stays cached,
+median of 7 interleaved with torch, ours / torch: rows 4 1.8x, 8 2.7x, 16 2.7x, 32 2.1x, 48
+1.6x, 64 1.25x, 80 0.84x (rows beyond one 64-row chunk re-read the weight block); the avx2
+kernels on the same CPU (against torch's AVX-512 MKL) 1.9x, 2.8x, 2.1x, 1.2x for 4-32 rows and
+0.77x at 48; 1-2 rows: 0.94-1.01x (on a 2-core Zen 5 torch read 14-18 GB/s there, the kernel
+20-61). The default (no AVX2) level's emulated vectors ran 0.36-0.73x of torch: not taken.
+bf16 / fp16 weights take it for one row only: with more rows the bf16-to-fp32 conversion per
+weight vector made it 0.6-0.9x torch's (which uses AVX512-BF16 dot products there).
 
 The weight gradient: autograd's is ``grad.t().mm(input)``, and torch's CPU bf16 mm runs a
 transposed A at 0.83-0.93 TFLOP/s on the 2-core AMX Xeon (SwiGLU (2048, 4096, 11008)'s dW
@@ -34,8 +41,15 @@ from .. import _ext
 from . import prepack
 from ._opdef import plain_tensor as _plain, rowwise
 
-# Most rows a call may have to take the kernel, per weight dtype (measured, see above).
-MAX_ROWS = {torch.float32: 8, torch.bfloat16: 1, torch.float16: 1}
+# Most rows a call may have to take the kernel, per CPU kernel level and weight dtype (measured,
+# see above); none at the default level.
+MAX_ROWS = {"avx512": {torch.float32: 64, torch.bfloat16: 1, torch.float16: 1},
+            "avx2": {torch.float32: 32, torch.bfloat16: 1, torch.float16: 1}}
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """Most rows of x for which linear_rows.cpp takes a call with dtype weights (0: none)."""
+    return MAX_ROWS.get(_ext.cpu_level(), {}).get(dtype, 0)
 
 
 def rows_kernel_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
@@ -45,7 +59,7 @@ def rows_kernel_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool
         return False
     rows = x.numel() // x.shape[-1]
     return (x.device.type == "cpu" and weight.device.type == "cpu"
-            and 1 <= rows <= MAX_ROWS.get(x.dtype, 0) and weight.dtype == x.dtype
+            and 1 <= rows <= max_rows(x.dtype) and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and weight.stride(1) == 1
             and (bias is None or (_plain(bias) and bias.dtype == x.dtype
                                   and bias.shape == (weight.shape[0],) and bias.is_contiguous()))

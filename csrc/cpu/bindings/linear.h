@@ -5,8 +5,9 @@
 namespace fastformer {
 namespace cpu_bindings {
 
-// linear_rows(x (rows <= 8, in), weight (out, in), bias) -> x W^T + b in x's dtype. x is
-// converted to f32 (a few rows), the weight and bias are read in place.
+// linear_rows(x (rows, in), weight (out, in), bias) -> x W^T + b in x's dtype: rows <= 8 any
+// weight dtype, more rows f32 only. x is converted to f32 (f32, 3 or more rows: transposed, the
+// rows zero-padded to a multiple of 16), the weight and bias are read in place.
 inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<Tensor>& bias) {
   check_cpu(weight, "linear_rows");
   const auto wt = weight.scalar_type();
@@ -14,10 +15,19 @@ inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<
                   (wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf),
               "fastformer._C.linear_rows: weight must be an f32/bf16/f16 (out, in) matrix with "
               "contiguous rows");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8 && x.size(1) == weight.size(1) &&
-                  x.scalar_type() == wt,
-              "fastformer._C.linear_rows: x must be (1..8, in) in the weight's dtype");
-  const Tensor xf = x.to(at::kFloat).contiguous();
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == weight.size(1) &&
+                  x.scalar_type() == wt && (x.size(0) <= 8 || wt == at::kFloat),
+              "fastformer._C.linear_rows: x must be (rows, in) in the weight's dtype, 1..8 rows "
+              "unless the weight is f32");
+  const bool transposed = x.size(0) > 2 && wt == at::kFloat;  // measured: linear_rows.cpp
+  Tensor xf;
+  if (transposed) {
+    const int64_t ld = (x.size(0) + 15) / 16 * 16;
+    xf = at::zeros({x.size(1), ld}, x.options());
+    xf.narrow(1, 0, x.size(0)).copy_(x.t());
+  } else {
+    xf = x.to(at::kFloat).contiguous();
+  }
   const Tensor* b = present(bias);
   TORCH_CHECK(!b || (b->dim() == 1 && b->size(0) == weight.size(0) && b->scalar_type() == wt &&
                      b->is_contiguous()),
@@ -31,7 +41,12 @@ inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<
   a.out_features = weight.size(0);
   a.weight = weight.data_ptr();
   a.ld_weight = weight.stride(0);
-  a.x = xf.data_ptr<float>();
+  if (transposed) {
+    a.x_t = xf.data_ptr<float>();
+    a.ld_x_t = xf.size(1);
+  } else {
+    a.x = xf.data_ptr<float>();
+  }
   a.bias = b ? b->data_ptr() : nullptr;
   a.y = y.data_ptr<float>();
   if (a.out_features > 0) {
