@@ -238,7 +238,8 @@ inline std::vector<Tensor> ffn_down_bwd(const Tensor& dy, const Tensor& gate,
 //   [* dropout's keep / (1 - p)] (over_gate: written over gate, which the caller must own: each
 //   element of gate is read before h's is written)
 // ffn_act_bwd(dh, gate, up, activation, need_h, dropout_p, rng_state) -> {d_gate, d_up (gated),
-//   h (need_h; written over dh, which the caller must own)}
+//   h (need_h)}: dh is a temporary the caller owns; h, or else d_gate, is written over it (each
+//   element of dh is read before that element of either is written)
 // gate / up / dh: (rows, F) with contiguous rows (gate and up may be the halves of one buffer).
 inline void check_act_operand(const Tensor& t, const Tensor& like, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type() &&
@@ -293,7 +294,7 @@ inline std::vector<Tensor> ffn_act_bwd(const Tensor& dh, const Tensor& gate,
   check_act_operand(dh, gate, "dh");
   a.dh = dh.data_ptr();
   a.ld_dh = dh.stride(0);
-  Tensor d_gate = at::empty(gate.sizes(), gate.options()), d_up, h;
+  Tensor d_gate = need_h ? at::empty(gate.sizes(), gate.options()) : dh, d_up, h;
   a.d_gate = d_gate.data_ptr();
   a.ld_d_gate = d_gate.stride(0);
   if (a.up) {
@@ -301,7 +302,7 @@ inline std::vector<Tensor> ffn_act_bwd(const Tensor& dh, const Tensor& gate,
     a.d_up = d_up.data_ptr();
     a.ld_d_up = d_up.stride(0);
   }
-  if (need_h) {  // over dh: each element of dh is read before h's is written
+  if (need_h) {
     h = dh;
     a.h = h.data_ptr();
     a.ld_h = h.stride(0);
