@@ -35,32 +35,44 @@ def has_cuda_kernels() -> bool:
     return CUDA_BUILT
 
 
-_cpu_level: str | None = None
+_cpu_state: tuple | None = None  # (capability, amx_in_use), cached: cpu_info() takes ~18 us
+
+
+def _state() -> tuple:
+    global _cpu_state
+    if _cpu_state is None:
+        info = C.cpu_info() if C is not None else {}
+        _cpu_state = (info.get("capability"), bool(info.get("amx_in_use")))
+    return _cpu_state
 
 
 def cpu_level() -> str | None:
     """The CPU kernels' level in use ("default", "avx2", "avx512"; None without the extension),
-    cached: routing rules read it on every call (cpu_info() takes ~18 us)."""
-    global _cpu_level
-    if _cpu_level is None and C is not None:
-        _cpu_level = C.cpu_info()["capability"]
-    return _cpu_level
+    for routing rules read on every call."""
+    return _state()[0]
+
+
+def amx_in_use() -> bool:
+    """Whether the kernels in use run bf16 on AMX tiles (the avx512 level, AMX on)."""
+    return _state()[1]
 
 
 def set_cpu_capability(level: str) -> None:
     """Select the default|avx2|avx512 CPU kernels (tests, benchmarks); cached backend
     decisions are dropped, since implementations may depend on the level."""
-    global _cpu_level
+    global _cpu_state
     from . import backends
     C.set_cpu_capability(level)
-    _cpu_level = None
+    _cpu_state = None
     backends.clear_cache()
 
 
 def set_cpu_amx(enable: bool) -> None:
     """Run bf16 on AMX tiles at the avx512 level where the CPU has AMX-BF16 (tests)."""
+    global _cpu_state
     from . import backends
     C.set_cpu_amx(enable)
+    _cpu_state = None
     backends.clear_cache()
 
 

@@ -148,7 +148,8 @@ def convert(model: nn.Module, inplace: bool = True, *, fused_loss: bool = True,
         prepack_weights: for inference on CPUs with AMX: every ``nn.Linear`` weight of a
             transformers model gets a second copy in oneDNN's blocked layout, which its bf16
             calls without a gradient of 2 to 2047 token rows read instead (prompts and batched
-            decode steps: 1.05-1.7x per GEMM; see ops/prepack.py). Costs the weights' memory
+            decode steps: 1.05-1.7x per GEMM; see ops/prepack.py), except the few-row calls
+            ops/linear.py's kernel reads faster in place. Costs the weights' memory
             once more; copies follow weight updates and are freed with their weights (a deep
             copy of the model has new weights, not registered). Where the CPU or torch lacks
             the route, ``.left`` says so and nothing is copied.

@@ -56,7 +56,28 @@ def test_transposed_form_at_each_level_matches_fp64(level):
 
 def test_kernel_refuses_more_than_8_reduced_precision_rows():
     with pytest.raises(RuntimeError, match="1..8 rows unless the weight is f32"):
-        ff._ext.C.linear_rows(torch.randn(9, 32).bfloat16(), torch.randn(4, 32).bfloat16(), None)
+        ff._ext.C.linear_rows(torch.randn(9, 32).half(), torch.randn(4, 32).half(), None)
+    with pytest.raises(RuntimeError, match="1..8 rows unless the weight is f32"):  # not tile rows
+        ff._ext.C.linear_rows(torch.randn(9, 40).bfloat16(), torch.randn(4, 40).bfloat16(), None)
+
+
+@pytest.mark.skipif(ff._ext.C is None or not ff._ext.amx_in_use(),
+                    reason="the bf16 few-row form runs on AMX tiles: this CPU / level has none in use")
+@pytest.mark.parametrize("rows", [1, 2, 3, 9, 16, 17, 33, 64, 65, 100])
+@pytest.mark.parametrize("in_f,out_f", [(32, 1), (64, 17), (96, 113), (128, 203), (512, 48)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_amx_form_matches_fp64_product(rows, in_f, out_f, bias):
+    """bf16 weights on AMX: weight rows as A tiles in place (strided rows here), x^T as
+    pair-word panels (rows padded to 16), blocks of 32 / 16 weight rows and the zero-padded
+    tail block."""
+    g = torch.Generator().manual_seed(rows * 1000 + in_f + out_f)
+    x = torch.randn(rows, in_f, generator=g).bfloat16()
+    w = torch.randn(out_f, in_f + 32, generator=g).bfloat16()[:, 16:16 + in_f]
+    b = torch.randn(out_f, generator=g).bfloat16() if bias else None
+    got = ff._ext.C.linear_rows(x, w, b)
+    want = F.linear(x.double(), w.double(), b.double() if bias else None)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_f)
+    assert_lowp_rule("y", got, want, F.linear(x, w, b), OUT_FACTOR, LOWP_ATOL[torch.bfloat16])
 
 
 def test_linear_uses_the_kernel_only_where_it_is_measured_faster():
@@ -70,7 +91,14 @@ def test_linear_uses_the_kernel_only_where_it_is_measured_faster():
     assert not lin.rows_kernel_takes(torch.randn(most + 1, 32), w, None)  # more rows: GEMM
     wb = w.bfloat16()
     assert lin.rows_kernel_takes(torch.randn(1, 32).bfloat16(), wb, None)
-    assert not lin.rows_kernel_takes(torch.randn(2, 32).bfloat16(), wb, None)
+    if ff._ext.amx_in_use():  # bf16 on AMX tiles: up to 64 rows, in features a multiple of 32
+        assert lin.max_rows(torch.bfloat16) == 64
+        assert lin.rows_kernel_takes(torch.randn(64, 32).bfloat16(), wb, None)
+        assert not lin.rows_kernel_takes(torch.randn(65, 32).bfloat16(), wb, None)
+        w40 = torch.randn(8, 40).bfloat16()
+        assert not lin.rows_kernel_takes(torch.randn(2, 40).bfloat16(), w40, None)
+    else:
+        assert not lin.rows_kernel_takes(torch.randn(2, 32).bfloat16(), wb, None)
     assert not lin.rows_kernel_takes(torch.randn(1, 32).double(), w.double(), None)
     assert not lin.rows_kernel_takes(torch.randn(1, 32), w.t().contiguous().t(), None)  # column stride
 

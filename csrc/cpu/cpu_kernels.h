@@ -248,6 +248,9 @@ struct LinearRowsArgs {
   // 16 >= rows, the padding columns zero; x is then unused.
   const float* x_t = nullptr;
   int64_t ld_x_t = 0;
+  // bf16 weights, AMX in use (the avx512 level), in a multiple of 32: x as bf16 rows (rows, in)
+  // contiguous instead; x and x_t are then unused.
+  const void* x_bf16 = nullptr;
 };
 
 // Weight gradient of a linear layer in bf16 on AMX (csrc/cpu/weight_grad.cpp): C (m x n) = P^T Q

@@ -2,19 +2,24 @@
 // speculative step), W (O, I) in the weights' dtype, y in fp32.
 //
 // The cost is reading W once: O x I elements streamed from memory (a Llama layer's weights are
-// far beyond the caches), against rows x I x O FMAs. Tasks over blocks of W's rows
-// (at::parallel_for, each thread streams its own contiguous block). Two forms:
-//  * f32 weights with 1-2 rows, bf16 / f16 weights with 1-8, x in fp32 rows: dot products along I, WB =
-//    max(1, 8 / rows) weight rows walked together so that 8 independent FMA chains hide the FMA
-//    latency, each x row read from L1, one horizontal sum per output.
-//  * more rows (f32 weights), x transposed (below): the dot form reloads every x row per
-//    weight vector (x no longer fits L1: 8 rows of 4096 fp32 are 128 KiB) and ran 14.6 GB/s at
-//    8 rows on the 2-core AMX Xeon against 24-27 for this form up to 16 rows; 3 rows 24.9 vs
-//    23.2 GB/s, 2 rows 25.0 vs 27.1 (ops/linear.py has the measurement).
+// far beyond the caches), against rows x I x O multiply-adds. Tasks over blocks of W's rows
+// (at::parallel_for, each thread streams its own contiguous block). Three forms:
+//  * f32 weights with 1-2 rows, bf16 / f16 weights with 1-8 (no AMX, or I not a multiple of
+//    32), x in fp32 rows: dot products along I, WB = max(1, 8 / rows) weight rows walked
+//    together so that 8 independent FMA chains hide the FMA latency, each x row read from L1,
+//    one horizontal sum per output.
+//  * f32 weights, 3 or more rows: x transposed, weight scalars broadcast against vectors of
+//    rows (below). The dot form reloads every x row per weight vector (x no longer fits L1: 8
+//    rows of 4096 fp32 are 128 KiB) and ran 14.6 GB/s at 8 rows on the 2-core AMX Xeon against
+//    24-27 for this form up to 16 rows; 3 rows 24.9 vs 23.2 GB/s, 2 rows 25.0 vs 27.1.
+//  * bf16 weights on AMX (I a multiple of 32): the weight rows read in place as A tiles
+//    (below): 26-27 GB/s for 1-16 rows where oneDNN's bf16 GEMM reads 20-22 (1.2-1.3x up to 64
+//    rows; ops/linear.py has the measurements).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 
+#include "cpu/bf16_gemm.h"
 #include "cpu/cpu_kernels.h"
 #include "cpu/vec_utils.h"
 
@@ -166,9 +171,67 @@ void linear_rows_transposed(const LinearRowsArgs& a) {
   }
 }
 
+
+// ---- bf16 weights on AMX tiles: the weight rows read in place as A tiles ---------------------
+// y^T = W x^T with A = 32 (or 16) rows of W straight from memory (tile rows of 64 bytes at the
+// weight's row stride) and B = x^T as pair-word panels (bf16_gemm.h; packed once per call, rows
+// of x zero-padded to a multiple of 16), C per 32 x 32 block in a local fp32 buffer, then
+// y = C^T + b. No copy of W: oneDNN reorders the weight into its blocked layout on every call
+// (what ff.convert's prepacked copies save), this form reads it as it lies. Rows beyond 32 run
+// further column pairs with the same A tiles from L2. in_features must be a multiple of 32 (the
+// binding checks); a last block of other than 16 or 32 rows comes from a zero-padded copy.
+#ifdef FF_HAVE_BF16_GEMM
+void linear_rows_amx(const LinearRowsArgs& a) {
+  using bf16 = c10::BFloat16;
+  const int64_t I = a.in_features, O = a.out_features, M = a.rows, Mp = round_up_to(M, 16);
+  const int64_t b_panel = I / 2 * 16;
+  std::vector<bf16> x_pad(Mp * I, bf16(0.0f));
+  std::copy(static_cast<const bf16*>(a.x_bf16), static_cast<const bf16*>(a.x_bf16) + M * I, x_pad.data());
+  std::vector<uint32_t> panels(Mp / 16 * b_panel);
+  put_rows_pair_panels(x_pad.data(), I, Mp, I, panels.data());
+  const bf16* W = static_cast<const bf16*>(a.weight);
+  const int64_t grain = std::max<int64_t>(32, kWeightBytesPerTask / std::max<int64_t>(1, I * 2) / 32 * 32);
+  at::parallel_for(0, (O + 31) / 32, std::max<int64_t>(1, grain / 32), [&](int64_t begin, int64_t end) {
+    AmxTiles tiles(Bf16Gemm::kAmx);
+    alignas(64) float c[32 * 64];
+    std::vector<bf16> tail;
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t o = blk * 32, n = std::min<int64_t>(32, O - o);
+      const bf16* w = W + o * a.ld_weight;
+      int64_t ld = a.ld_weight;
+      if (n < 32 && n % 16 != 0) {  // the last block: rows up to a multiple of 16, zeros past O
+        tail.assign(round_up_to(n, 16) * I, bf16(0.0f));
+        for (int64_t r = 0; r < n; ++r) std::copy(w + r * ld, w + r * ld + I, tail.data() + r * I);
+        w = tail.data();
+        ld = I;
+      }
+      for (int64_t j = 0; j < Mp; j += 32) {
+        const uint32_t* b = panels.data() + (j / 16) * b_panel;
+        const bool two_cols = j + 16 < Mp;
+        if (n > 16) {
+          if (two_cols) amx_block<2, 2>(I, w, ld, b, b_panel, c, 64, false);
+          else amx_block<2, 1>(I, w, ld, b, b_panel, c, 64, false);
+        } else {
+          if (two_cols) amx_block<1, 2>(I, w, ld, b, b_panel, c, 64, false);
+          else amx_block<1, 1>(I, w, ld, b, b_panel, c, 64, false);
+        }
+        const int64_t cols = std::min<int64_t>(32, M - j);
+        for (int64_t i = 0; i < n; ++i) {
+          const float bias = a.bias ? static_cast<float>(static_cast<const bf16*>(a.bias)[o + i]) : 0.0f;
+          for (int64_t m = 0; m < cols; ++m) a.y[(j + m) * O + o + i] = c[i * 64 + m] + bias;
+        }
+      }
+    }
+  });
+}
+#else
+void linear_rows_amx(const LinearRowsArgs&) { TORCH_INTERNAL_ASSERT(false, "linear_rows: AMX at a level without it"); }
+#endif
+
 }  // namespace
 
 void linear_rows(const LinearRowsArgs& args) {
+  if (args.x_bf16) return linear_rows_amx(args);  // bf16 weights on AMX
   if (args.x_t) return linear_rows_transposed(args);  // f32 weights, 3 or more rows
   switch (args.dtype) {
     case DType::f32: return linear_rows_dispatch<float>(args);

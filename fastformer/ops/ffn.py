@@ -354,7 +354,7 @@ class _CpuOnednn(_VendorGemm):
         (2048, 4096, 11008), (1024, 2048, 5632), (1024, 1024, 2816); GeGLU (2048, 2048, 5632)):
         not taken."""
         x2 = x.reshape(-1, x.shape[-1])
-        if (not (o.store_preactivation or o.dropout_p)
+        if (not (o.store_preactivation or o.dropout_p) and not rows_kernel_takes(x2, w1, b1)
                 and prepack.takes(x2, (w1, w2, w_up), (b1, b2, b_up))):
             return self._prepacked_fwd(x2, w1, b1, w2, b2, w_up, b_up, o).reshape(x.shape), x.new_empty((0,))
         post_op = ONEDNN_POST_OPS.get(ACTIVATIONS[o.activation])

@@ -14,8 +14,12 @@ median of 7 interleaved with torch, ours / torch: rows 4 1.8x, 8 2.7x, 16 2.7x, 
 kernels on the same CPU (against torch's AVX-512 MKL) 1.9x, 2.8x, 2.1x, 1.2x for 4-32 rows and
 0.77x at 48; 1-2 rows: 0.94-1.01x (on a 2-core Zen 5 torch read 14-18 GB/s there, the kernel
 20-61). The default (no AVX2) level's emulated vectors ran 0.36-0.73x of torch: not taken.
-bf16 / fp16 weights take it for one row only: with more rows the bf16-to-fp32 conversion per
-weight vector made it 0.6-0.9x torch's (which uses AVX512-BF16 dot products there).
+bf16 weights on AMX (in features a multiple of 32) take its AMX form, the weight rows read in
+place as tile rows: 26-27 GB/s for 1-16 rows where torch's oneDNN GEMM reads 20-22 (it reorders
+the weight on every call; ff.convert's prepacked copies read 22-23), same eight bf16 matrices:
+rows 1 1.22x, 2 1.26x, 8 1.29x, 16 1.29x, 32 1.23x, 64 1.23x, 96 1.10x; up to 64 taken. Without
+AMX, bf16 / fp16 weights take the dot form for one row only: with more rows the bf16-to-fp32
+conversion per weight vector made it 0.6-0.9x torch's (which uses AVX512-BF16 dot products there).
 
 The weight gradient: autograd's is ``grad.t().mm(input)``, and torch's CPU bf16 mm runs a
 transposed A at 0.83-0.93 TFLOP/s on the 2-core AMX Xeon (SwiGLU (2048, 4096, 11008)'s dW
@@ -42,13 +46,16 @@ from . import prepack
 from ._opdef import plain_tensor as _plain, rowwise
 
 # Most rows a call may have to take the kernel, per CPU kernel level and weight dtype (measured,
-# see above); none at the default level.
+# see above); none at the default level; bf16 on AMX tiles up to MAX_AMX_ROWS.
 MAX_ROWS = {"avx512": {torch.float32: 64, torch.bfloat16: 1, torch.float16: 1},
             "avx2": {torch.float32: 32, torch.bfloat16: 1, torch.float16: 1}}
+MAX_AMX_ROWS = 64
 
 
 def max_rows(dtype: torch.dtype) -> int:
     """Most rows of x for which linear_rows.cpp takes a call with dtype weights (0: none)."""
+    if dtype == torch.bfloat16 and _ext.amx_in_use():
+        return MAX_AMX_ROWS
     return MAX_ROWS.get(_ext.cpu_level(), {}).get(dtype, 0)
 
 
@@ -61,6 +68,7 @@ def rows_kernel_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool
     return (x.device.type == "cpu" and weight.device.type == "cpu"
             and 1 <= rows <= max_rows(x.dtype) and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and weight.stride(1) == 1
+            and (rows == 1 or x.dtype == torch.float32 or x.shape[-1] % 32 == 0)  # bf16: AMX tile rows
             and (bias is None or (_plain(bias) and bias.dtype == x.dtype
                                   and bias.shape == (weight.shape[0],) and bias.is_contiguous()))
             and _ext.C is not None and hasattr(_ext.C, "linear_rows")

@@ -15,8 +15,9 @@ weight prepacking use) and passed to ``torch.ops.mkldnn._linear_pointwise``, bf1
   2048+     22.6 -> 22.6      24.3 -> 23.6-24.1  8.0 -> 8.1     (no gain: the reorder is
                                                                    amortized over the rows)
 
-Hence the rule: bf16 calls without a gradient of 2 to 2047 rows on a CPU with AMX (one row is
-csrc/cpu/linear_rows.cpp's, 0.33-0.86 ms against 0.38-0.94 packed on the shapes above). The
+Hence the rule: bf16 calls without a gradient of 2 to 2047 rows on a CPU with AMX, except those
+csrc/cpu/linear_rows.cpp takes first (ops/linear.py: up to 64 rows whose in features are a
+multiple of 32, read in place at 26-27 GB/s against 22-23 packed; one row always). The
 blocked copy was made with a hint of 128 rows; hints of 16 and 1024 read the same within noise,
 a hint of 1 up to 1.3x slower from 777 rows. fp32 is not packed: torch's fp32 linear is MKL's,
 and oneDNN's fp32 matmul on a reordered weight read the same as plain F.linear (76.9 against

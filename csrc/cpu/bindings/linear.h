@@ -15,13 +15,19 @@ inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<
                   (wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf),
               "fastformer._C.linear_rows: weight must be an f32/bf16/f16 (out, in) matrix with "
               "contiguous rows");
+  // bf16 weights on AMX tiles (in_features a multiple of 32): one row 26.9 GB/s against the
+  // dot form's 25.7 (linear_rows.cpp)
+  const bool amx = wt == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 && x.size(1) % 32 == 0 &&
+                   cpu::bf16_gemm_mode() == cpu::Bf16Gemm::kAmx;
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == weight.size(1) &&
-                  x.scalar_type() == wt && (x.size(0) <= 8 || wt == at::kFloat),
+                  x.scalar_type() == wt && (x.size(0) <= 8 || wt == at::kFloat || amx),
               "fastformer._C.linear_rows: x must be (rows, in) in the weight's dtype, 1..8 rows "
-              "unless the weight is f32");
+              "unless the weight is f32 (or bf16 on AMX with in a multiple of 32)");
   const bool transposed = x.size(0) > 2 && wt == at::kFloat;  // measured: linear_rows.cpp
   Tensor xf;
-  if (transposed) {
+  if (amx) {
+    xf = x.contiguous();
+  } else if (transposed) {
     const int64_t ld = (x.size(0) + 15) / 16 * 16;
     xf = at::zeros({x.size(1), ld}, x.options());
     xf.narrow(1, 0, x.size(0)).copy_(x.t());
@@ -41,7 +47,9 @@ inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<
   a.out_features = weight.size(0);
   a.weight = weight.data_ptr();
   a.ld_weight = weight.stride(0);
-  if (transposed) {
+  if (amx) {
+    a.x_bf16 = xf.data_ptr();
+  } else if (transposed) {
     a.x_t = xf.data_ptr<float>();
     a.ld_x_t = xf.size(1);
   } else {
