@@ -16,15 +16,20 @@ tk = pytest.importorskip("fastformer.triton_kernels.attention")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
+def _expanded_values_and_scores(q, k, v, scale):
+    """GQA's k / v heads repeated to q's, and the scaled scores q k^T (scale None: 1/sqrt(D))."""
+    H, Hkv, D = q.shape[1], k.shape[1], q.shape[-1]
+    k = k.repeat_interleave(H // Hkv, 1)
+    v = v.repeat_interleave(H // Hkv, 1)
+    return v, (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(D) if scale is None else scale)
+
+
 def eager_attention(q, k, v, *, causal=False, key_padding_mask=None, attn_mask=None, scale=None,
                     dropout_p=0.0, keep=None):
     """Attention as a PyTorch user writes it, in q's dtype; rows with no allowed key give 0."""
-    B, H, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
-    k = k.repeat_interleave(H // Hkv, 1)
-    v = v.repeat_interleave(H // Hkv, 1)
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    s = (q @ k.transpose(-1, -2)) * scale
+    B, H, Lq = q.shape[:3]
+    Lk = k.shape[2]
+    v, s = _expanded_values_and_scores(q, k, v, scale)
     allowed = torch.ones(B, H, Lq, Lk, dtype=torch.bool, device=q.device)
     if causal:
         shift = Lk - Lq if causal == "bottom_right" else 0
@@ -107,12 +112,9 @@ def eager_variants(q, k, v, *, causal=False, window=None, softcap=None, alibi_sl
     bias = (table, buckets), sinks as one more key column whose probability is dropped (as
     Hugging Face's gpt-oss eager attention). Option tensors are cast to q's dtype (a
     differentiable cast). Rows with no allowed key and no sink give 0."""
-    B, H, Lq, D = q.shape
-    Hkv, Lk = k.shape[1], k.shape[2]
-    k = k.repeat_interleave(H // Hkv, 1)
-    v = v.repeat_interleave(H // Hkv, 1)
-    scale = 1.0 / math.sqrt(D) if scale is None else scale
-    s = (q @ k.transpose(-1, -2)) * scale
+    B, H, Lq = q.shape[:3]
+    Lk = k.shape[2]
+    v, s = _expanded_values_and_scores(q, k, v, scale)
     if softcap:
         s = softcap * torch.tanh(s / softcap)
     i, j = torch.arange(Lq, device=q.device)[:, None], torch.arange(Lk, device=q.device)[None, :]

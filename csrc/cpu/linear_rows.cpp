@@ -185,10 +185,15 @@ void linear_rows_amx(const LinearRowsArgs& a) {
   using bf16 = c10::BFloat16;
   const int64_t I = a.in_features, O = a.out_features, M = a.rows, Mp = round_up_to(M, 16);
   const int64_t b_panel = I / 2 * 16;
-  std::vector<bf16> x_pad(Mp * I, bf16(0.0f));
-  std::copy(static_cast<const bf16*>(a.x_bf16), static_cast<const bf16*>(a.x_bf16) + M * I, x_pad.data());
+  const bf16* x = static_cast<const bf16*>(a.x_bf16);
+  std::vector<bf16> x_pad;  // rows up to a multiple of 16, zeros past M (when M is not one)
+  if (Mp != M) {
+    x_pad.assign(Mp * I, bf16(0.0f));
+    std::copy(x, x + M * I, x_pad.data());
+    x = x_pad.data();
+  }
   std::vector<uint32_t> panels(Mp / 16 * b_panel);
-  put_rows_pair_panels(x_pad.data(), I, Mp, I, panels.data());
+  put_rows_pair_panels(x, I, Mp, I, panels.data());
   const bf16* W = static_cast<const bf16*>(a.weight);
   const int64_t grain = std::max<int64_t>(32, kWeightBytesPerTask / std::max<int64_t>(1, I * 2) / 32 * 32);
   at::parallel_for(0, (O + 31) / 32, std::max<int64_t>(1, grain / 32), [&](int64_t begin, int64_t end) {
