@@ -102,6 +102,16 @@ def rowwise(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.contiguous()
 
 
+def owned(t):
+    """What an autograd.Function's forward returns for an output t: t, or t.detach() when t is a
+    view of a tensor made inside the forward (a transposed (B, L, H, D) attention buffer, a
+    reshaped GEMM output). autograd refuses in-place ops on a custom Function's output that is
+    such a view ("...is a view and is being modified inplace"): ``out += residual`` failed on
+    every op's output. t.detach() is not a view to autograd, shares t's memory (no copy) and its
+    version counter, so an in-place change of an output the forward saved is still caught."""
+    return t.detach() if isinstance(t, Tensor) and t._base is not None else t
+
+
 def compiled(name: str):
     """fastformer._C.<name> as an Impl method (a staticmethod: the call goes straight to C++,
     no Python frame in between), or None when the extension or the function is missing (the
@@ -361,7 +371,7 @@ class _EagerFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved, *o.tensors())
         ctx.op, ctx.impl, ctx.o, ctx.n_saved = op, impl, o.without_tensors(), len(saved)
         ctx.dispatch = backends.last_dispatch()
-        visible = tuple(outputs[:op.visible])
+        visible = tuple(owned(t) for t in outputs[:op.visible])
         if op.non_differentiable:
             ctx.mark_non_differentiable(*(visible[i] for i in op.non_differentiable))
         return visible if len(visible) > 1 else visible[0]

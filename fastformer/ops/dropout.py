@@ -21,7 +21,7 @@ from torch import Tensor
 
 from .. import _ext
 from ..reference.rng import draw_rng_state, keep_mask
-from ._opdef import rowwise
+from ._opdef import owned, rowwise
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -49,7 +49,7 @@ class _Dropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, p, rng_state):
         ctx.p, ctx.rng_state = p, rng_state
-        return _apply(x, p, rng_state)
+        return owned(_apply(x, p, rng_state))
 
     @staticmethod
     def backward(ctx, dy):

@@ -33,7 +33,7 @@ from ..reference.rng import draw_rng_state
 from . import prepack
 from .cpu_gemm import ONEDNN_POST_OPS, fast_bf16_gemm, onednn_post_ops, torch_fp32_gemm_wins
 from .linear import linear, max_rows, rows_kernel_takes, rows_linear, weight_grad
-from ._opdef import OpDef, Options, compiled, needs_grad, options, rowwise
+from ._opdef import OpDef, Options, compiled, needs_grad, options, owned, rowwise
 
 _ACT_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
 
@@ -233,7 +233,7 @@ class _ActDown(torch.autograd.Function):
     def forward(ctx, impl, o, pre, up, w2, b2):
         ctx.save_for_backward(pre, up, w2)
         ctx.impl, ctx.o, ctx.dispatch = impl, o, backends.last_dispatch()
-        return impl.down_fwd(pre, up, w2, b2, o)
+        return owned(impl.down_fwd(pre, up, w2, b2, o))
 
     @staticmethod
     def backward(ctx, dy):
@@ -252,7 +252,7 @@ class _PackedLinear(torch.autograd.Function):
     def forward(ctx, x, w, b):
         ctx.save_for_backward(x, w)
         ctx.dispatch = backends.last_dispatch()
-        return _ext.C.ffn_linear_fwd(x, w, b)
+        return owned(_ext.C.ffn_linear_fwd(x, w, b))
 
     @staticmethod
     def backward(ctx, d_pre):

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from .. import _ext
 from . import prepack
-from ._opdef import plain_tensor as _plain, rowwise
+from ._opdef import owned, plain_tensor as _plain, rowwise
 
 # Most rows a call may have to take the kernel, per CPU kernel level and weight dtype (measured,
 # see above); none at the default level; bf16 on AMX tiles up to MAX_AMX_ROWS.
@@ -133,7 +133,7 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        return owned(F.linear(x, weight, bias))
 
     @staticmethod
     def backward(ctx, dy):

@@ -25,7 +25,7 @@ from torch import Tensor
 from .. import _checks, _ext, backends
 from ..backends import EVERY_OPTION, GPU_FLOAT, Impl
 from ..reference import linear_cross_entropy as ref
-from ._opdef import OpDef, Options, options
+from ._opdef import OpDef, Options, options, owned
 
 
 @options
@@ -122,7 +122,7 @@ class _Function(torch.autograd.Function):
         ctx.save_for_backward(*saved, *o.tensors())
         ctx.impl, ctx.o, ctx.n_saved = impl, o.without_tensors(), len(saved)
         ctx.dispatch = backends.last_dispatch()
-        return outputs[0]
+        return owned(outputs[0])
 
     @staticmethod
     def backward(ctx, grad):
