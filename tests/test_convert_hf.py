@@ -51,7 +51,7 @@ def _families():
         "vit": (t.ViTConfig, t.ViTModel, dict(image_size=32, patch_size=8, num_channels=3, hidden_size=64,
                                               num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
                                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
-        # families converted by the form of their modules (hf_convert._llama_forms): MoE blocks
+        # families converted by the form of their modules (hf_convert._forms): MoE blocks
         # on transformers' eager experts loop (its grouped_mm takes no fp64 for the oracle)
         "mixtral": (t.MixtralConfig, t.MixtralForCausalLM, dict(DECODER, **MOE)),
         "qwen2_moe": (t.Qwen2MoeConfig, t.Qwen2MoeForCausalLM,
@@ -224,7 +224,7 @@ def test_generate_builds_only_the_last_positions_logits():
     assert shapes and all(s[1] == 1 for s in shapes), shapes
 
 
-# What the form rule converts in families outside the table (hf_convert._llama_forms): (module
+# What the form rule converts in families outside the table (hf_convert._forms): (module
 # path suffix, what), every one of which must be in the report.
 _BY_FORM = {
     "mixtral": [("input_layernorm", "ff.rms_norm"), ("self_attn", "ff.apply_rotary")],

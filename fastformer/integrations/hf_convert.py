@@ -15,9 +15,14 @@ decoder layers of those     the residual add into the next norm: ``ff.rms_norm(h
 their MLPs                  ``ff.swiglu_ffn`` (SwiGLU; GeGLU for Gemma's tanh GELU), biases if any
 their attention modules     the rotary embedding of q and k on ``ff.apply_rotary``
                             (integrations/hf_rotary.py)
-the same in other families  where a module's forward is Llama's (Gemma's) instruction for
-                            instruction (``_llama_forms``): Mixtral, Qwen-MoE, DeepSeek-V3,
-                            Phi-3, SmolLM3, OLMoE, GLM, ... (the MoE blocks stay theirs)
+the same in other families  where a module's forward is Llama's (Gemma's, BERT's) instruction
+                            for instruction (``_forms``): Mixtral, Qwen-MoE, DeepSeek-V3,
+                            Phi-3, SmolLM3, OLMoE, GLM, XLM-RoBERTa, ELECTRA, ... (the MoE
+                            blocks stay theirs)
+any other family's MLP      ``ff.ffn`` / ``ff.swiglu_ffn`` where its traced forward is one of
+                            the forms of integrations/hf_mlp_forms.py: CLIP, SigLIP, GPT-NeoX,
+                            Phi, Starcoder2, GPT-J, DINOv2, Phi-3, GLM-4, ModernBERT, Llama 4,
+                            ... (fused gate / up projections read as two row views)
 BERT / RoBERTa layers       self-output and output: ``ff.add_layer_norm(dropout(dense(h)), x)``;
                             intermediate + output: ``ff.ffn`` then the fused add + LayerNorm
 DistilBERT blocks           both add + LayerNorms; the FFN on ``ff.ffn``
@@ -54,6 +59,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from typing import Callable, Optional
 
 import torch
@@ -64,6 +70,9 @@ from ..ops.embedding import embedding
 from ..ops.ffn import ffn, swiglu_ffn
 from ..ops.linear import linear
 from ..ops.norm import add_layer_norm, rms_norm
+from .hf_mlp_forms import activation_name as _activation
+from .hf_mlp_forms import convert_mlp_by_form, mlp_candidate
+from .hf_mlp_forms import same_dtype as _same_dtype
 from .hf_rotary import code_form, convert_rotary_attention, rotary_mixin
 
 _SWAPPED: dict = {}
@@ -81,7 +90,7 @@ def _swap(module: nn.Module, mixin: type) -> None:
     if new is None:
         body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
                 "_fastformer_original": cls}
-        forward = mixin.__dict__.get("forward")
+        forward = getattr(mixin, "forward", None)
         if forward is not None and _passes_keywords_on(forward):
             body["forward"] = _with_signature_of(forward, cls.forward)
         new = type(cls.__name__, (mixin, cls), body)
@@ -102,21 +111,6 @@ def _with_signature_of(forward: Callable, original: Callable) -> Callable:
     def converted_forward(self, *args, **kwargs):
         return forward(self, *args, **kwargs)
     return functools.update_wrapper(converted_forward, original)
-
-
-def _same_dtype(x: torch.Tensor, *params) -> bool:
-    return all(p is None or p.dtype == x.dtype for p in params)
-
-
-# ---- activations -------------------------------------------------------------------------------
-def _activation(act) -> Optional[str]:
-    """ff's name for a transformers activation module (ACT2FN's), None if it has none."""
-    name = type(act).__name__
-    if name == "GELUActivation":
-        return "gelu" if getattr(act, "act", None) is nn.functional.gelu else None
-    return {"NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
-            "FastGELUActivation": "gelu_tanh", "SiLU": "silu", "SiLUActivation": "silu",
-            "ReLU": "relu"}.get(name)
 
 
 # ---- norms -------------------------------------------------------------------------------------
@@ -499,18 +493,42 @@ _CONVERTERS.update({
 
 
 
-# Modules of any other family whose forward is, instruction for instruction, Llama's (or Gemma's)
-# get the same conversion: transformers writes most decoder models from Llama's modules
+# Modules of any other family whose forward is, instruction for instruction, Llama's (Gemma's,
+# BERT's) get the same conversion: transformers writes most decoder models from Llama's modules
 # ("modular" files), so Mixtral's, Qwen-MoE's, DeepSeek-V3's, gpt-oss's and Phi-3's RMSNorms,
 # SmolLM3's and OLMoE's MLPs and decoder layers, ... run the code the families above run. The
 # test is the forward's bytecode, names and local names (hf_rotary.code_form): the same attributes,
 # called in the same order, with the same arithmetic.
+def _convert_bert_form_layer(m: nn.Module) -> Optional[str]:
+    """A layer whose forward is BertLayer's: converted as BertLayer where its feed-forward chunk,
+    intermediate and output are BERT's too."""
+    from transformers.models.bert import modeling_bert as bert
+    forms = [(m, "feed_forward_chunk", bert.BertLayer.feed_forward_chunk),
+             (getattr(m, "intermediate", None), "forward", bert.BertIntermediate.forward),
+             (getattr(m, "output", None), "forward", bert.BertOutput.forward)]
+    if any(getattr(type(obj), name, None) is None or code_form(getattr(type(obj), name)) != code_form(bert_fn)
+           for obj, name, bert_fn in forms):
+        return "its feed-forward chunk, intermediate or output is not BERT's"
+    return _convert_bert_layer(m)
+
+
+def _convert_bert_form_add_norm(m: nn.Module) -> Optional[str]:
+    if not isinstance(getattr(m, "LayerNorm", None), nn.LayerNorm):
+        return "its LayerNorm is not an nn.LayerNorm"
+    _swap(m, _BertAddNorm)
+    return None
+
+
 @functools.lru_cache(maxsize=None)
-def _llama_forms() -> dict:
+def _forms() -> dict:
+    from transformers.models.bert import modeling_bert as bert
     from transformers.models.gemma import modeling_gemma
     from transformers.models.gemma2 import modeling_gemma2
     from transformers.models.llama import modeling_llama as llama
     return {
+        code_form(bert.BertSelfOutput.forward): _convert_bert_form_add_norm,
+        code_form(bert.BertOutput.forward): _convert_bert_form_add_norm,
+        code_form(bert.BertLayer.forward): _convert_bert_form_layer,
         code_form(llama.LlamaRMSNorm.forward): lambda m: _convert_rms(m, False),
         code_form(modeling_gemma.GemmaRMSNorm.forward): lambda m: _convert_rms(m, True),
         code_form(llama.LlamaMLP.forward): _convert_gated_mlp,
@@ -526,10 +544,17 @@ def _converter_by_form(cls: type) -> Optional[Callable]:
     attention module: its module's apply_rotary_pos_emb, hf_rotary.rotary_mixin), else None."""
     if not cls.__module__.startswith("transformers.") or not hasattr(cls, "forward"):
         return None
-    convert = _llama_forms().get(code_form(cls.forward))
+    convert = _forms().get(code_form(cls.forward))
     if convert is None and cls.__name__.endswith("Attention") and rotary_mixin(cls)[0] is not None:
         convert = lambda m: convert_rotary_attention(m, _swap)  # noqa: E731
     return convert
+
+
+_MLP_NAME = re.compile(r"MLP|Mlp|FeedForward|FFN|Ffn")  # modules the report names when left
+
+
+def _convert_mlp_by_form(m: nn.Module) -> Optional[str]:
+    return convert_mlp_by_form(m, _swap)
 
 
 def _key(m: nn.Module) -> str:
@@ -550,12 +575,15 @@ def convert_transformers(model: nn.Module, replaced: list, left: list, loss: boo
         if getattr(type(m), "_fastformer_original", None) is not None:
             continue  # converted already
         convert: Optional[Callable] = _CONVERTERS.get(_key(m)) or _converter_by_form(type(m))
+        if convert is None and mlp_candidate(m):
+            convert = _convert_mlp_by_form
         if convert is None or (not loss and convert in (_convert_causal_lm, _convert_llama_form_lm)):
             continue
         name = type(m).__name__
         why = convert(m)  # the module's hooks keep firing: it is the same object
         if why:
-            left.append((path, name, why))
+            if convert is not _convert_mlp_by_form or _MLP_NAME.search(name):
+                left.append((path, name, why))
         else:
             replaced.append((path, name, type(m).__mro__[1]._ff_what))
 
