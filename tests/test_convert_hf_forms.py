@@ -5,6 +5,7 @@ unconverted model in fp64 on the output and the gradient of every parameter (wit
 reference's scale; bf16 by the error-ratio rule); the report must name the fused MLPs. Plus the
 matcher itself on hand-written modules: each form, and what it must refuse.
 """
+import contextlib
 import copy
 
 import pytest
@@ -33,7 +34,8 @@ NO_DROPOUT = ("attention_dropout", "hidden_dropout", "dropout", "attention_probs
 
 
 def _families():
-    """name -> (config class, model class, config kwargs, (path suffix, what the report says))."""
+    """name -> (config class, model class, config kwargs, what the report must say (one or a
+    tuple))."""
     t = transformers
     plain, gated = "ff.ffn (an MLP", "ff.swiglu_ffn (a gated MLP"
     return {
@@ -43,7 +45,9 @@ def _families():
         "starcoder2": (t.Starcoder2Config, t.Starcoder2ForCausalLM, dict(DECODER, sliding_window=8), plain),
         "gptj": (t.GPTJConfig, t.GPTJForCausalLM, dict(vocab_size=V, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
                                                       n_positions=64), plain),
-        "siglip": (t.SiglipVisionConfig, t.SiglipVisionModel, dict(VISION), plain),
+        # its encoder layers by form too (CLIP's): layer_norm2's residual add fused
+        "siglip": (t.SiglipVisionConfig, t.SiglipVisionModel, dict(VISION),
+                   (plain, "residual add fused into layer_norm2")),
         "dinov2": (t.Dinov2Config, t.Dinov2Model, dict(VISION, mlp_ratio=2), plain),
         # a, b = inp(x).chunk(2, -1); out(act(a) * b): the gate and up projections in one linear
         "glm4": (t.Glm4Config, t.Glm4ForCausalLM, dict(DECODER, head_dim=16), gated),
@@ -92,8 +96,9 @@ def _inputs(name):
 def test_family_without_an_entry_converted_and_matching_fp32(name):
     model = _model(name)
     report = ff.convert(model, inplace=False)
-    what = _families()[name][3]
-    assert any(what in kind for _, _, kind in report.replaced), str(report)
+    whats = _families()[name][3]
+    for what in (whats,) if isinstance(whats, str) else whats:
+        assert any(what in kind for _, _, kind in report.replaced), (what, str(report))
     assert not [entry for entry in report.left if "MLP" in entry[1]], str(report)
     inputs = _inputs(name)
     out, grads = _run(report.model, inputs)
@@ -195,7 +200,41 @@ def test_mlp_form_matcher(name):
     ref = m.double()(x)
     assert hf_mlp_forms.convert_mlp_by_form(m, lambda mod, mixin: setattr(
         mod, "__class__", type("Converted", (mixin, type(mod)), {}))) is None
-    torch.testing.assert_close(m(x), ref, rtol=1e-12, atol=1e-12)
+    calls = []
+    with torch.no_grad(), _counting(calls):  # packed forms take the kernels without a weight gradient
+        torch.testing.assert_close(m(x), ref, rtol=1e-12, atol=1e-12)
+    assert calls == ["ffn" if form.kind == "plain" else "swiglu_ffn"]
+    with _counting(calls):
+        torch.testing.assert_close(m(x), ref, rtol=1e-12, atol=1e-12)
+    assert len(calls) == (1 if form.kind == "packed" else 2)
+
+
+@contextlib.contextmanager
+def _counting(calls):
+    """Record the fused ops hf_mlp_forms calls."""
+    real = hf_mlp_forms.ffn, hf_mlp_forms.swiglu_ffn
+    hf_mlp_forms.ffn = lambda *a, **k: calls.append("ffn") or real[0](*a, **k)
+    hf_mlp_forms.swiglu_ffn = lambda *a, **k: calls.append("swiglu_ffn") or real[1](*a, **k)
+    try:
+        yield
+    finally:
+        hf_mlp_forms.ffn, hf_mlp_forms.swiglu_ffn = real
+
+
+@pytest.mark.parametrize("name", ["glm4", "modernbert"])
+def test_packed_family_inference_on_the_fused_kernel(name):
+    """Packed gate / up projections run fused without a weight gradient (with one they run the
+    original forward, the fp32 family test above)."""
+    model = _model(name).eval()
+    ours = ff.convert(model, inplace=False).model
+    inputs = _inputs(name)
+    calls = []
+    with torch.no_grad(), _counting(calls):
+        out = ours(**inputs)
+    ref = copy.deepcopy(model).double()(**inputs)
+    out, ref = [o.logits if getattr(o, "logits", None) is not None else o.last_hidden_state for o in (out, ref)]
+    assert calls.count("swiglu_ffn") == ours.config.num_hidden_layers
+    assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
 def test_mlp_form_dropouts_follow_the_mode():

@@ -19,6 +19,8 @@ the same in other families  where a module's forward is Llama's (Gemma's, BERT's
                             for instruction (``_forms``): Mixtral, Qwen-MoE, DeepSeek-V3,
                             Phi-3, SmolLM3, OLMoE, GLM, XLM-RoBERTa, ELECTRA, ... (the MoE
                             blocks stay theirs)
+CLIP / SigLIP encoder       layer_norm2 with its residual add (by form: the vision towers
+layers                      written from them too)
 any other family's MLP      ``ff.ffn`` / ``ff.swiglu_ffn`` where its traced forward is one of
                             the forms of integrations/hf_mlp_forms.py: CLIP, SigLIP, GPT-NeoX,
                             Phi, Starcoder2, GPT-J, DINOv2, Phi-3, GLM-4, ModernBERT, Llama 4,
@@ -214,6 +216,22 @@ def _convert_gated_mlp(m: nn.Module) -> Optional[str]:
     if not all(isinstance(getattr(m, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
         return "not gate_proj / up_proj / down_proj linears"
     return _convert_act(m, getattr(m, "act_fn", None), _GatedMLP)
+
+
+class _PreNormEncoderLayer:
+    """CLIP's and SigLIP's encoder layer (and the vision towers written from it: Idefics 2/3,
+    SmolVLM, OWL-ViT, GIT, Janus, ...): layer_norm2's residual add fused. The stream it returns
+    is written contiguous: SigLIP's starts channels-strided (its patch embedding's conv output
+    transposed), a layout every eager residual add after it keeps."""
+    _ff_what = "residual add fused into layer_norm2"
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        if kwargs.get("output_attentions"):
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        residual = hidden_states
+        h, _ = self.self_attn(hidden_states=self.layer_norm1(hidden_states), attention_mask=attention_mask, **kwargs)
+        h, residual = _add_norm(self.layer_norm2, h, residual)
+        return residual + self.mlp(h)
 
 
 # ---- encoders (BERT, RoBERTa, DistilBERT, ViT) and GPT-2 ------------------------------------------
@@ -525,7 +543,9 @@ def _forms() -> dict:
     from transformers.models.gemma import modeling_gemma
     from transformers.models.gemma2 import modeling_gemma2
     from transformers.models.llama import modeling_llama as llama
+    from transformers.models.siglip import modeling_siglip as siglip
     return {
+        code_form(siglip.SiglipEncoderLayer.forward): lambda m: _swap(m, _PreNormEncoderLayer),
         code_form(bert.BertSelfOutput.forward): _convert_bert_form_add_norm,
         code_form(bert.BertOutput.forward): _convert_bert_form_add_norm,
         code_form(bert.BertLayer.forward): _convert_bert_form_layer,
