@@ -32,6 +32,10 @@ def _norm(x, r, w, b):
     return y * 2 + res
 
 
+def _norm_no_stream(x, r, w, b):  # saves x and r as they came (the stream is not returned)
+    return ff.add_layer_norm(x, r, w, b)
+
+
 def _rms(x, w):
     return ff.rms_norm(x, w)
 
@@ -78,6 +82,11 @@ def _cases():
         ("add_layer_norm", _norm, lambda B, L: [rnd(B, L, 40), rnd(B, L, 40), rnd(40), rnd(40)],
          (0, 1, 2, 3), {0: (0, 1), 1: (0, 1)}),
         ("rms_norm", _rms, lambda B, L: [rnd(B, L, 40), rnd(40)], (0, 1), {0: (0, 1)}),
+        # channels-strided x and residual (SigLIP's stream): the cpu kernels on contiguous copies,
+        # which the custom op's backward makes from the saved inputs too
+        ("add_layer_norm_strided", _norm_no_stream,
+         lambda B, L: [rnd(B, 40, L).transpose(1, 2), rnd(B, 40, L).transpose(1, 2), rnd(40), rnd(40)],
+         (0, 1, 2, 3), {0: (0, 1), 1: (0, 1)}),
         # Weights at the 1/sqrt(fan-in) scale of an initialized layer: with eager autograd the
         # cpu route runs gated calls as three nodes (ffn.py, _Cpu.autograd) and sums dx from
         # two GEMMs, where the one custom-op node takes one GEMM over K = 2F; the two agree to
@@ -121,7 +130,8 @@ def _assert_matches_eager(compiled, fn, inputs, grad_idx):
 
 # ---- torch.compile ---------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-@pytest.mark.parametrize("name", ["attention", "attention_t5_bias", "add_layer_norm", "swiglu", "lce_mean"])
+@pytest.mark.parametrize("name", ["attention", "attention_t5_bias", "add_layer_norm", "add_layer_norm_strided",
+                                  "swiglu", "lce_mean"])
 def test_compile_fullgraph_matches_eager(name, backend):
     torch._dynamo.reset()
     _, fn, make, grad_idx, _ = CASES[name]

@@ -282,6 +282,11 @@ class _CpuStridedRows(_Cpu):
     def autograd(self, x, residual, weight, bias, o):
         return _Cpu.autograd(*_contiguous_rows(x, residual), weight, bias, o)
 
+    def bwd(self, grads, saved, o, needs):
+        """The shared Function's and the custom op's backward (torch.compile) save the inputs as
+        they came: the kernels read contiguous copies of them too."""
+        return super().bwd(grads, (*_contiguous_rows(*saved[:2]), *saved[2:]), o, needs)
+
 
 @ADD_NORM.implementation
 class _Reference(Impl):
