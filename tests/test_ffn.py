@@ -260,6 +260,48 @@ def test_inference_path_matches(backend, gated):
         check(f"y[{act}]", y, _eager(*up, act))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("order", ["gate_first", "up_first", "bias_apart"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_gate_and_up_as_one_tensors_halves(dtype, order, grad):
+    """w_gate / w_up as the row halves of one fused gate_up weight (Phi-3's, GLM-4's): one GEMM
+    over both when they (and their biases) are adjacent, the same result and gradients as two
+    separate tensors; biases that are not adjacent take the two GEMMs."""
+    g = torch.Generator().manual_seed(0)
+    tokens, d, hidden = 113, 40, 72
+    x = torch.randn(tokens, d, generator=g, dtype=dtype)
+    fused_w = (torch.randn(2 * hidden, d, generator=g) / d ** 0.5).to(dtype)
+    fused_b = torch.randn(2 * hidden, generator=g).to(dtype)
+    w_down = (torch.randn(d, hidden, generator=g) / hidden ** 0.5).to(dtype)
+    leaves = [t.clone().requires_grad_(grad) for t in (x, fused_w, fused_b, w_down)]
+    xl, wl, bl, wd = leaves
+    halves = (slice(0, hidden), slice(hidden, None))
+    gate, up = halves if order != "up_first" else halves[::-1]
+    b_gate, b_up = bl[gate], (bl[up] if order != "bias_apart" else bl[up].clone())
+    from fastformer.ops.ffn import _joined_rows
+    joined = _joined_rows(wl[gate], wl[up], b_gate, b_up) or _joined_rows(wl[up], wl[gate], b_up, b_gate)
+    assert (joined is None) == (order == "bias_apart")
+    with torch.set_grad_enabled(grad):
+        y = ff.swiglu_ffn(xl, wl[gate], wl[up], wd, b_gate, b_up)
+    exact = [t.detach().double().requires_grad_(grad) for t in leaves]
+    xe, we, be, wde = exact
+    with torch.set_grad_enabled(grad):
+        ref = (F.silu(F.linear(xe, we[gate], be[gate])) * F.linear(xe, we[up], be[up])) @ wde.T
+        low = None
+        if dtype == torch.bfloat16:
+            low = (F.silu(F.linear(x, fused_w[gate], fused_b[gate])) * F.linear(x, fused_w[up], fused_b[up])) @ w_down.T
+    check("y", y, ref, low)
+    if grad:
+        weights = torch.randn(y.shape, generator=g, dtype=torch.float64)
+        got = torch.autograd.grad((y.double() * weights).sum(), leaves)
+        want = torch.autograd.grad((ref * weights).sum(), exact)
+        for name, a, b in zip(("x", "w_gate_up", "b_gate_up", "w_down"), got, want):
+            if dtype == torch.float32:
+                check(f"d{name}", a, b, grad=True, atol=1e-4, rtol=1e-4)
+            else:  # bf16: within the rule's absolute floor of the gradient's scale
+                assert (a.double() - b).abs().max().item() <= 2e-2 * b.abs().max().item(), name
+
+
 @pytest.mark.parametrize("tokens,d,hidden", [(1, 64, 128), (17, 40, 72), (113, 80, 203)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_inference_takes_the_onednn_post_op(tokens, d, hidden, bias):
