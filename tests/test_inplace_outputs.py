@@ -19,7 +19,7 @@ def _case(name):
     def t(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
     x, w1, w2, wu, w, b = t(2, 13, 40), t(72, 40), t(40, 72), t(72, 40), t(40), t(40)
-    q, k = t(1, 4, 17, 40), t(1, 2, 17, 40)
+    q = t(1, 4, 17, 40)
     cos, sin = torch.randn(17, 20, generator=g, dtype=torch.float64), torch.randn(17, 20, generator=g, dtype=torch.float64)
     return {
         "ffn": ((x, w1, w2), lambda x, w1, w2: ff.ffn(x, w1, None, w2, None, "gelu")),
