@@ -49,12 +49,12 @@ def test_forcing_triton_on_cpu_without_interpreter_says_how(monkeypatch):
 
 
 def test_auto_falls_back_and_explains():
-    x = torch.randn(32, 8).t()  # normalized dim strided: only the reference takes it
-    y = ff.layer_norm(x, None, None)
+    q = torch.randn(1, 2, 9, 512)  # head dim 512: past the cpu kernels' 256, only the reference takes it
+    y = ff.attention(q, q, q)
     d = ff.last_dispatch()
     assert d.backend == "reference" and not d.forced
-    assert "last_dim_strided" in "; ".join(d.rejected["cpu"])
-    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (32,)))
+    assert "head_dim 512" in "; ".join(d.rejected["cpu"])
+    torch.testing.assert_close(y, torch.nn.functional.scaled_dot_product_attention(q, q, q))
 
 
 def test_explain_lists_every_backend():
