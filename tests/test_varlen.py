@@ -338,6 +338,44 @@ def test_decode_narrow_rows_every_level(capability_levels, dtype, G, Lq):
         ff._ext.set_cpu_capability(capability_levels[-1])
 
 
+# One query row per task (multi-head attention decoding one token, G * Lq = 1: attention_decode.cpp,
+# DecodeRowGemms) reads the cache's rows in place: head dims with vector tails, one key, a
+# block's worth, several key splits, paged caches, NaN past each row's keys, the options, every
+# CPU level.
+@pytest.mark.parametrize("D", [40, 72, 80, 128])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("option", [None, "window", "softcap", "alibi", "sinks"])
+def test_decode_one_row_reads_the_cache_in_place(capability_levels, D, paged, option):
+    B, H, lens, L_max = 3, 4, [1, 203, 1600], 1664
+    q, k_cache, v_cache, _, _, seqlens = _cache_case(B, H, H, 1, D, lens, L_max, F32)
+    for b, n in enumerate(lens):
+        k_cache[b, :, n:] = float("nan")
+        v_cache[b, :, n:] = float("nan")
+    kc, vc, table = k_cache, v_cache, None
+    if paged:
+        kc, table = _paged(k_cache, 16)
+        vc, _ = _paged(v_cache, 16)
+    kw, okw = {}, {}
+    if option == "window":
+        kw = okw = dict(window=(150, 0))
+    elif option == "softcap":
+        kw = okw = dict(softcap=2.0)
+    elif option == "alibi":
+        kw = dict(alibi_slopes=torch.rand(B, H))
+        okw = dict(alibi=kw["alibi_slopes"])
+    elif option == "sinks":
+        kw = okw = dict(sinks=torch.randn(H))
+    ref = _cache_oracle(q, k_cache, v_cache, seqlens, F64, **okw)
+    try:
+        for level in capability_levels:
+            ff._ext.set_cpu_capability(level)
+            with ff.use_backend("cpu"):
+                out = ff.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, **kw)
+            check("out", out, ref.float(), atol=1e-5, rtol=1e-5)
+    finally:
+        ff._ext.set_cpu_capability(capability_levels[-1])
+
+
 def test_decode_splits_keys_deterministically():
     """Batch 1, one kv head: the decode kernel splits the keys across tasks and merges them; the
     result does not depend on the thread count and matches the flash forward's."""

@@ -20,7 +20,9 @@
 // Memory: K and V of a kv head read once per call (memory-bound: 2 * Lk * D per kv head),
 // Q, out and the partials O(B * H * Lq * (D + splits * Dv)).
 // Variable key lengths (k_lens, a KV cache) and paged caches (block_table) are read directly.
-// The two GEMMs of a key block, per dtype and level:
+// One query row per task (multi-head attention decoding a token) skips the GEMMs: fp32 scores
+// as dot products with the cache's key rows and P V as axpys of its value rows, in place
+// (DecodeRowGemms). Otherwise the two GEMMs of a key block, per dtype and level:
 //   - fp32 micro-kernel (DecodeFp32Gemms; every dtype, bf16 without bf16 instructions): the block's K
 //     and V converted into fp32 K^T / V panels (pack_kv_block), Q in MR-row panels;
 //   - bf16 instructions (DecodeBf16Gemms; bf16 at the AVX-512 level with AMX-BF16 or
@@ -100,6 +102,64 @@ struct DecodeFp32Gemms {
     }
     tile_gemm<A, kScoreLd, 1>(R, sh.Dv, n_keys, s_tile, kScoreLd, 1, pk.vp_block(0, 0), NR, sh.Bk_pad * NR, acc,
                               sh.Dv_pad, accumulate, Band{});
+  }
+};
+
+// A task of one query row (multi-head attention decoding one token: G * Lq = 1) on the
+// cache's rows read in place: the scores are dot products of q with the key rows, P V an axpy
+// of the value rows into acc. The micro-kernel path above packs each key block into K^T / V
+// panels for a one-row tile (the cache's bytes read, written and read again); fp32 (1, 16, 1,
+// 64) against 280 keys on the 2-core AMX Xeon took 157 us there, 93 here on one thread (SDPA
+// 38); 4096 keys 1160 us there, 748 here (SDPA 900).
+// Value rows outside [first_seen_key, end_seen_key) are not read (as the bf16 path's).
+template <typename T>
+struct DecodeRowGemms {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  static constexpr int64_t kRowAlign = 1;
+  const AttnArgs& a;
+  const Shape<A>& sh;
+  A* const q_row;  // D_pad values, zero padded
+
+  DecodeRowGemms(const AttnArgs& args, const Shape<A>& shape, int64_t, Bf16Gemm)
+      : a(args), sh(shape), q_row(thread_scratch<A, Scratch::kDecQStage>(shape.D_pad + V::size())) {}
+
+  void load_q(int64_t b, int64_t hkv) {
+    load_row(row_ptr<T>(a.q, b, hkv * sh.G, 0), sh.D, sh.D_pad, q_row);
+    std::fill(q_row + sh.D_pad, q_row + sh.D_pad + V::size(), A(0));  // the tail's vector load
+  }
+  void scores(int64_t b, int64_t hkv, int64_t kb, int64_t n_keys, int64_t cols, A* s_tile) const {
+    const int64_t k0 = kb * kBlockK;
+    for (int64_t j = 0; j < n_keys; ++j) {
+      const T* key = kv_row<T>(a, a.k, b, hkv, k0 + j);
+      V s0(A(0)), s1(A(0));
+      int64_t d = 0;
+      for (; d + 2 * V::size() <= sh.D; d += 2 * V::size()) {
+        s0 = at::vec::fmadd(V::loadu(q_row + d), load_acc(key + d), s0);
+        s1 = at::vec::fmadd(V::loadu(q_row + d + V::size()), load_acc(key + d + V::size()), s1);
+      }
+      for (; d + V::size() <= sh.D; d += V::size()) s0 = at::vec::fmadd(V::loadu(q_row + d), load_acc(key + d), s0);
+      if (d < sh.D) s1 = at::vec::fmadd(V::loadu(q_row + d), load_acc(key + d, sh.D - d), s1);
+      s_tile[j] = reduce_add(s0 + s1);
+    }
+    std::fill(s_tile + n_keys, s_tile + cols, A(0));
+  }
+  void p_row(const A*, int64_t, int64_t) {}  // P is read from the score row itself
+  void pv(int64_t b, int64_t hkv, int64_t kb, int64_t n_keys, int64_t, const A* s_tile, A* acc,
+          bool accumulate) const {
+    const int64_t k0 = kb * kBlockK;
+    const int64_t j0 = std::max<int64_t>(0, sh.first_seen_key() - k0);
+    const int64_t j1 = std::min(n_keys, sh.end_seen_key() - k0);
+    if (!accumulate) std::fill(acc, acc + sh.Dv_pad, A(0));
+    for (int64_t j = j0; j < j1; ++j) {
+      const V p(s_tile[j]);
+      const T* value = kv_row<T>(a, a.v, b, hkv, k0 + j);
+      int64_t d = 0;
+      for (; d + V::size() <= sh.Dv; d += V::size())
+        at::vec::fmadd(load_acc(value + d), p, V::loadu(acc + d)).store(acc + d);
+      if (d < sh.Dv)
+        at::vec::fmadd(load_acc(value + d, sh.Dv - d), p, V::loadu(acc + d)).store(acc + d, sh.Dv - d);
+    }
   }
 };
 
@@ -230,7 +290,10 @@ void attention_decode_typed(const AttnArgs& a, Bf16Gemm kind) {
     static_cast<A*>(a.lse)[b * a.lse_s[0] + h * a.lse_s[1] + i] = softmax_lse_log2(m, l);
   };
 
-  const double flops = 2.0 * a.B * a.H * Lq * a.Lk * (a.D + a.Dv);
+  // The one-row path is bound by reading the cache, not by its flops: its tasks go to both
+  // threads from a quarter of the flops the GEMM paths wait for (fp32 (1, 16, 1, 64) against
+  // 280 keys, 2-core Xeon: 93 us on one thread, 44 on two; torch SDPA 40).
+  const double flops = 2.0 * a.B * a.H * Lq * a.Lk * (a.D + a.Dv) * (Gemms::kRowAlign == 1 ? 4.0 : 1.0);
   parallel_tasks(a.B * a.Hkv * n_split, flops, [&](int64_t task) {
     const int64_t split = task % n_split, bhkv = task / n_split;
     const int64_t b = bhkv / a.Hkv, hkv = bhkv % a.Hkv;
@@ -324,6 +387,10 @@ void attn::attention_decode(const AttnArgs& args) {
       if (kind != Bf16Gemm::kFp32) return attention_decode_typed<T, DecodeBf16Gemms>(args, kind);
     }
 #endif
+    if constexpr (std::is_same_v<T, float>) {
+      const int64_t G = args.Hkv > 0 ? args.H / args.Hkv : 1;
+      if (G * args.Lq == 1) return attention_decode_typed<T, DecodeRowGemms<T>>(args, Bf16Gemm::kFp32);
+    }
     attention_decode_typed<T, DecodeFp32Gemms<T>>(args, Bf16Gemm::kFp32);
   });
 }
