@@ -258,21 +258,27 @@ def test_kvcache_appends_and_attends(backend, case, paged, dtype):
     check("out", out, ref.to(out.dtype) if dtype == F32 else ref, low, atol=1e-5, rtol=1e-5)
 
 
+def _option_kwargs(option, B, H, window):
+    """(ff.attention_with_kvcache's keywords, _cache_oracle's) for one attention option."""
+    if option == "window":
+        return dict(window=window), dict(window=window)
+    if option == "softcap":
+        return dict(softcap=2.0), dict(softcap=2.0)
+    if option == "alibi":
+        slopes = torch.rand(B, H)
+        return dict(alibi_slopes=slopes), dict(alibi=slopes)
+    if option == "sinks":
+        sinks = torch.randn(H)
+        return dict(sinks=sinks), dict(sinks=sinks)
+    return {}, {}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("option", ["window", "softcap", "alibi", "sinks", "not_causal", "lse"])
 def test_kvcache_options(backend, option):
     B, H, Hkv, D, lens = 2, 4, 2, 64, [90, 7]
     q, k_cache, v_cache, _, _, seqlens = _cache_case(B, H, Hkv, 1, D, lens, 128, F32)
-    kw, okw = {}, {}
-    if option == "window":
-        kw = okw = dict(window=(16, 0))
-    elif option == "softcap":
-        kw = okw = dict(softcap=2.0)
-    elif option == "alibi":
-        kw = dict(alibi_slopes=torch.rand(B, H))
-        okw = dict(alibi=kw["alibi_slopes"])
-    elif option == "sinks":
-        kw = okw = dict(sinks=torch.randn(H))
+    kw, okw = _option_kwargs(option, B, H, window=(16, 0))
     with ff.use_backend(backend):
         got = ff.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
                                         causal=option != "not_causal", return_lse=option == "lse", **kw)
@@ -355,16 +361,7 @@ def test_decode_one_row_reads_the_cache_in_place(capability_levels, D, paged, op
     if paged:
         kc, table = _paged(k_cache, 16)
         vc, _ = _paged(v_cache, 16)
-    kw, okw = {}, {}
-    if option == "window":
-        kw = okw = dict(window=(150, 0))
-    elif option == "softcap":
-        kw = okw = dict(softcap=2.0)
-    elif option == "alibi":
-        kw = dict(alibi_slopes=torch.rand(B, H))
-        okw = dict(alibi=kw["alibi_slopes"])
-    elif option == "sinks":
-        kw = okw = dict(sinks=torch.randn(H))
+    kw, okw = _option_kwargs(option, B, H, window=(150, 0))
     ref = _cache_oracle(q, k_cache, v_cache, seqlens, F64, **okw)
     try:
         for level in capability_levels:
