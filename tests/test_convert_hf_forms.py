@@ -48,6 +48,8 @@ def _families():
         # its encoder layers by form too (CLIP's): layer_norm2's residual add fused
         "siglip": (t.SiglipVisionConfig, t.SiglipVisionModel, dict(VISION),
                    (plain, "residual add fused into layer_norm2")),
+        # OpenAI CLIP's quick_gelu, its default activation
+        "clip": (t.CLIPVisionConfig, t.CLIPVisionModel, dict(VISION), (plain, "residual add fused into layer_norm2")),
         "dinov2": (t.Dinov2Config, t.Dinov2Model, dict(VISION, mlp_ratio=2), plain),
         # a, b = inp(x).chunk(2, -1); out(act(a) * b): the gate and up projections in one linear
         "glm4": (t.Glm4Config, t.Glm4ForCausalLM, dict(DECODER, head_dim=16), gated),
@@ -76,6 +78,12 @@ def _model(name):
     for key in NO_DROPOUT:
         if isinstance(getattr(config, key, None), float):
             setattr(config, key, 0.0)
+    return random_model(model_cls, config)
+
+
+def random_model(model_cls, config):
+    """model_cls(config) on eager attention, its initial weights perturbed (seeded) so that no
+    bias or norm weight is exactly 0 or 1."""
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = model_cls(config)
@@ -87,7 +95,7 @@ def _model(name):
 
 def _inputs(name):
     g = torch.Generator().manual_seed(1)
-    if name in ("siglip", "dinov2"):
+    if name in ("siglip", "clip", "dinov2"):
         return dict(pixel_values=torch.randn(2, 3, 32, 32, generator=g))
     return dict(input_ids=torch.randint(2, V, (2, 13), generator=g))
 
@@ -107,7 +115,7 @@ def test_family_without_an_entry_converted_and_matching_fp32(name):
     assert_model_matches(out, grads, ref, ref_grads)
 
 
-@pytest.mark.parametrize("name", ["gpt_neox", "siglip", "glm4", "xlm_roberta"])
+@pytest.mark.parametrize("name", ["gpt_neox", "siglip", "clip", "glm4", "xlm_roberta"])
 def test_family_without_an_entry_bf16_error_ratio(name):
     model = _model(name)
     ours_model = ff.convert(copy.deepcopy(model).to(torch.bfloat16)).model
@@ -125,14 +133,16 @@ def test_family_without_an_entry_bf16_error_ratio(name):
 
 
 def test_unfused_activation_is_left_with_its_reason():
-    """CLIP's default quick_gelu (x * sigmoid(1.702 x)) has no kernel: the MLP stays, named."""
+    """An activation without a kernel (Mish) leaves the MLP, named with the reason; CLIP's
+    default quick_gelu (x * sigmoid(1.702 x)) and GELU run on ff.ffn."""
     t = transformers
-    model = t.CLIPVisionModel(t.CLIPVisionConfig(**VISION, hidden_act="quick_gelu"))
+    model = t.CLIPVisionModel(t.CLIPVisionConfig(**VISION, hidden_act="mish"))
     report = ff.convert(model)
     left = [entry for entry in report.left if entry[1] == "CLIPMLP"]
     assert len(left) == 2 and "none of the fused MLP forms" in left[0][2]
-    model = t.CLIPVisionModel(t.CLIPVisionConfig(**VISION, hidden_act="gelu"))
-    assert sum(kind.startswith("ff.ffn (an MLP") for _, _, kind in ff.convert(model).replaced) == 2
+    for act in ("gelu", "quick_gelu"):
+        model = t.CLIPVisionModel(t.CLIPVisionConfig(**VISION, hidden_act=act))
+        assert sum(kind.startswith("ff.ffn (an MLP") for _, _, kind in ff.convert(model).replaced) == 2
 
 
 # ---- the matcher on hand-written modules -----------------------------------------------------------

@@ -12,7 +12,7 @@ from fastformer.ops.linear import max_rows
 from fastformer.reference.rng import draw_rng_state, keep_mask
 
 ACTS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
-        "silu": F.silu}
+        "silu": F.silu, "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t)}
 LOWP = (torch.float16, torch.bfloat16)
 # Every required tokens / d_model / dim_feedforward value appears: tokens {1, 17, 256},
 # d_model {64, 384, 1000}, dim_feedforward {128, 1536, 2730}.
@@ -81,14 +81,16 @@ def _compare(tensors, dy, act, dtype, tokens):
 
 
 def _cases(shapes, dtypes, per_shape=4):
-    """per_shape of the 8 (activation, gated) pairs for each shape and dtype, rotating so that
-    consecutive shapes take the next pairs (every pair appears), biases on every other case."""
-    pairs = [(act, gated) for gated in (False, True) for act in ACTS]
+    """per_shape of the 8 (activation, gated) pairs of relu, gelu, gelu_tanh and silu for each
+    shape and dtype, rotating so that consecutive shapes take the next pairs (every pair
+    appears), biases on every other case; and one quick_gelu case per shape and dtype, plain
+    and gated in turn."""
+    pairs = [(act, gated) for gated in (False, True) for act in ("relu", "gelu", "gelu_tanh", "silu")]
     out = []
     for i, (tokens, d, hidden) in enumerate(shapes):
         for dtype in dtypes:
-            for k in range(per_shape):
-                act, gated = pairs[(i * per_shape + k) % len(pairs)]
+            for k in range(per_shape + 1):
+                act, gated = pairs[(i * per_shape + k) % len(pairs)] if k < per_shape else ("quick_gelu", i % 2 == 1)
                 bias = (i + k) % 2 == 0
                 out.append(pytest.param(tokens, d, hidden, dtype, act, gated, bias,
                                         id=f"{tokens}x{d}x{hidden}-{str(dtype)[6:]}-{act}-"
@@ -306,8 +308,8 @@ def test_gate_and_up_as_one_tensors_halves(dtype, order, grad):
 @pytest.mark.parametrize("bias", [False, True])
 def test_bf16_inference_takes_the_onednn_post_op(tokens, d, hidden, bias):
     """bf16 without autograd, not gated: cpu.onednn's up projection, bias and activation as one
-    oneDNN call (ops/ffn.py, _CpuOnednn.fwd); one-row calls stay on linear_rows.cpp. Every
-    activation against the fp64 oracle by the error-ratio rule."""
+    oneDNN call (ops/ffn.py, _CpuOnednn.fwd) for every activation with a post-op; one-row calls
+    stay on linear_rows.cpp. Every activation against the fp64 oracle by the error-ratio rule."""
     from fastformer.ops import cpu_gemm
     if not cpu_gemm.onednn_post_ops():
         pytest.skip("the route is taken where torch's bf16 GEMMs have AMX / AVX512-BF16 dot products "
@@ -319,7 +321,7 @@ def test_bf16_inference_takes_the_onednn_post_op(tokens, d, hidden, bias):
             y = _ours(*tensors, act)
         assert ff.last_dispatch().impl == "cpu.onednn"
         took = any(e.name == "mkldnn::_linear_pointwise" for e in prof.events())
-        assert took == (tokens > 1), act
+        assert took == (tokens > 1 and act in cpu_gemm.ONEDNN_POST_OPS), act  # quick_gelu has none
         check(f"y[{act}]", y, _eager(*exact, act), _eager(*tensors, act))
 
 
@@ -331,7 +333,7 @@ def test_onednn_post_ops_are_the_activations():
         pytest.skip("the route is taken where torch's bf16 GEMMs have AMX / AVX512-BF16 dot products "
                     "and mkldnn is built in: neither here")
     x, w, b, *_ = _params(17, 40, 72, torch.float32, False, True)
-    assert set(cpu_gemm.ONEDNN_POST_OPS) == set(ACTS)
+    assert set(cpu_gemm.ONEDNN_POST_OPS) == set(ACTS) - {"quick_gelu"}  # torch's "swish" has no scale
     for act, post_op in cpu_gemm.ONEDNN_POST_OPS.items():
         got = torch.ops.mkldnn._linear_pointwise(x, w, b, *post_op)
         torch.testing.assert_close(got, ACTS[act](F.linear(x, w, b)), atol=2e-6, rtol=2e-6)
@@ -580,7 +582,7 @@ def test_swiglu_module():
     expected = m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
     check("SwiGLU", m(x), expected.double(), atol=2e-5, rtol=2e-5)
     assert ff.SwiGLU(8, 16, bias=True, activation="gelu")(torch.randn(2, 8)).shape == (2, 8)
-    with pytest.raises(ValueError, match="'relu', 'gelu', 'gelu_tanh', 'silu'"):
+    with pytest.raises(ValueError, match="'relu', 'gelu', 'gelu_tanh', 'silu', 'quick_gelu'"):
         ff.SwiGLU(8, 16, activation="swish")
 
 
@@ -616,7 +618,7 @@ def test_bad_input_names_the_argument(case):
 
 def test_unknown_activation_lists_the_valid_ones():
     x, w1, w2 = torch.randn(2, 8), torch.randn(16, 8), torch.randn(8, 16)
-    with pytest.raises(ValueError, match="'relu', 'gelu', 'gelu_tanh', 'silu'; got 'tanh'"):
+    with pytest.raises(ValueError, match="'relu', 'gelu', 'gelu_tanh', 'silu', 'quick_gelu'; got 'tanh'"):
         ff.ffn(x, w1, None, w2, None, activation="tanh")
 
 

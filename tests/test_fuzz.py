@@ -337,7 +337,7 @@ def test_fuzz_add_norm_triton(c):
 # ---- feed-forward ------------------------------------------------------------------------------
 FFN_ACTS = {"relu": torch.relu, "gelu": torch.nn.functional.gelu,
             "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
-            "silu": torch.nn.functional.silu}
+            "silu": torch.nn.functional.silu, "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t)}
 
 
 @st.composite

@@ -36,7 +36,7 @@ import triton.language as tl
 from . import interpreter_mode
 from .common import cast_to, dot_operand, dropout_word
 
-ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU = 0, 1, 2, 3      # csrc/common/activations.h codes
+ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU, ACT_QUICK_GELU = 0, 1, 2, 3, 4  # activations.h codes
 MODE_FWD_SAVE, MODE_FWD_ACT, MODE_BWD = 0, 1, 2               # ffn_act_matmul_kernel
 PLAIN, HIDDEN_ACT, HIDDEN_GATED = 0, 1, 2                     # operand modes, ffn_matmul_kernel
 
@@ -60,6 +60,8 @@ def _act(x, ACT: tl.constexpr):
         return x * 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
     elif ACT == 2:
         return x * 0.5 * (1.0 + _tanh((x + x * x * x * 0.044715) * 0.7978845608028654))
+    elif ACT == 4:
+        return x * tl.sigmoid(x * 1.702)
     else:
         return x * tl.sigmoid(x)
 
@@ -74,6 +76,9 @@ def _act_grad(x, ACT: tl.constexpr):
     elif ACT == 2:
         t = _tanh((x + x * x * x * 0.044715) * 0.7978845608028654)
         return (1.0 + t) * 0.5 + x * 0.5 * (1.0 - t * t) * 0.7978845608028654 * (1.0 + x * x * 0.134145)
+    elif ACT == 4:
+        s = tl.sigmoid(x * 1.702)
+        return s * (1.0 + x * 1.702 * (1.0 - s))
     else:
         s = tl.sigmoid(x)
         return s * (1.0 + x * (1.0 - s))

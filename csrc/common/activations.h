@@ -7,6 +7,8 @@
 //                  gelu_tanh'(x) = (1 + t)/2 + x/2 (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2),
 //                  t = tanh(u)                       (torch's gelu(approximate="tanh") backward)
 //   silu(x)      = x s(x),  s = 1/(1 + exp(-x))      silu'(x)      = s (1 + x (1 - s))
+//   quick_gelu(x) = x s(1.702 x)                     quick_gelu'(x) = s (1 + 1.702 x (1 - s)),
+//                  s = s(1.702 x)                    (OpenAI CLIP's GELU approximation)
 // Gated (SwiGLU = silu, GeGLU = gelu / gelu_tanh, ReGLU = relu): h = act(gate) * up, so
 //   d gate = dh * up * act'(gate),   d up = dh * act(gate).
 // Biased: y = act(x + b), dx = dy * act'(x + b), db = sum over rows of dx.
@@ -33,7 +35,7 @@
 namespace fastformer {
 
 // The numbering is part of the ABI between the bindings and the kernels; keep it stable.
-enum class Activation : int32_t { relu = 0, gelu = 1, gelu_tanh = 2, silu = 3 };
+enum class Activation : int32_t { relu = 0, gelu = 1, gelu_tanh = 2, silu = 3, quick_gelu = 4 };
 
 template <typename V>
 struct ActMath;
@@ -69,6 +71,7 @@ constexpr double kInvSqrt2 = 0.70710678118654752440;     // 1/sqrt(2)
 constexpr double kInvSqrt2Pi = 0.39894228040143267794;   // 1/sqrt(2 pi)
 constexpr double kSqrt2OverPi = 0.79788456080286535588;  // sqrt(2/pi)
 constexpr double kTanhCubic = 0.044715;
+constexpr double kQuickGelu = 1.702;  // quick_gelu's sigmoid scale
 }  // namespace act_const
 
 template <typename V>
@@ -103,6 +106,8 @@ FF_HOST_DEVICE V activation(const V& x) {
     return x * gelu_cdf<V, M>(x);
   } else if constexpr (A == Activation::gelu_tanh) {
     return (V(0.5) * x) * (V(1.0) + gelu_tanh_t<V, M>(x, x * x));
+  } else if constexpr (A == Activation::quick_gelu) {
+    return x * sigmoid<V, M>(V(kQuickGelu) * x);
   } else {
     return x * sigmoid<V, M>(x);
   }
@@ -125,6 +130,10 @@ FF_HOST_DEVICE ValueGrad<V> activation_value_grad(const V& x) {
     const V half_x = V(0.5) * x;
     const V du_dx = V(kSqrt2OverPi) * (V(1.0) + V(3.0 * kTanhCubic) * x_sq);
     return {half_x * (V(1.0) + t), V(0.5) * (V(1.0) + t) + half_x * (V(1.0) - t * t) * du_dx};
+  } else if constexpr (A == Activation::quick_gelu) {
+    const V kx = V(kQuickGelu) * x;
+    const V s = sigmoid<V, M>(kx);
+    return {x * s, s * (V(1.0) + kx * (V(1.0) - s))};
   } else {
     const V s = sigmoid<V, M>(x);
     return {x * s, s * (V(1.0) + x * (V(1.0) - s))};
@@ -144,6 +153,7 @@ inline void dispatch_activation(Activation a, F&& f) {
     case Activation::relu: f(ActivationTag<Activation::relu>{}); break;
     case Activation::gelu: f(ActivationTag<Activation::gelu>{}); break;
     case Activation::gelu_tanh: f(ActivationTag<Activation::gelu_tanh>{}); break;
+    case Activation::quick_gelu: f(ActivationTag<Activation::quick_gelu>{}); break;
     default: f(ActivationTag<Activation::silu>{}); break;
   }
 }

@@ -22,7 +22,8 @@
 //       dgate = dh * up * act'(gate), dup = dh * act(gate)
 //   FFN epilogues: fp32/fp16/bf16, (..., N) tensors whose rows have one stride (last dim
 //   contiguous), bias (N,); outputs contiguous in x's (gate's) shape and dtype; activation is
-//   the Activation code of common/activations.h: 0 relu, 1 gelu (erf), 2 gelu_tanh, 3 silu.
+//   the Activation code of common/activations.h: 0 relu, 1 gelu (erf), 2 gelu_tanh, 3 silu,
+//   4 quick_gelu.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -304,7 +305,7 @@ inline std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::T
 
 // ---- FFN epilogues --------------------------------------------------------------------------
 inline Activation ffn_activation(int64_t code) {
-  TORCH_CHECK(code >= 0 && code <= 3, "fastformer CUDA FFN: activation code must be 0..3, got ",
+  TORCH_CHECK(code >= 0 && code <= 4, "fastformer CUDA FFN: activation code must be 0..4, got ",
               code);
   return static_cast<Activation>(code);
 }

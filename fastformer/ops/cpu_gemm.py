@@ -35,7 +35,9 @@ def torch_fp32_gemm_wins():
     return False, f"the packed kernel is faster than torch's fp32 GEMM on this CPU ({vendor or 'unknown vendor'})"
 
 
-# ff's activation -> (attr, scalars, algorithm) of torch.ops.mkldnn._linear_pointwise.
+# ff's activation -> (attr, scalars, algorithm) of torch.ops.mkldnn._linear_pointwise. quick_gelu
+# (x * sigmoid(1.702 x)) has none: oneDNN's swish has that scale, but torch's op ignores the
+# scalars it is given for "swish" (torch 2.13: x * sigmoid(x) whatever they are).
 ONEDNN_POST_OPS = {"relu": ("relu", [], ""), "gelu": ("gelu", [], "none"),
                     "gelu_tanh": ("gelu", [], "tanh"), "silu": ("swish", [], "")}
 

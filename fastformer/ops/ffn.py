@@ -42,7 +42,7 @@ _ACT_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
 class FfnOptions(Options):
     """The options of one FFN call (csrc/options.h mirrors the fields)."""
 
-    activation: int = 0                  # ACTIVATIONS index: relu, gelu, gelu_tanh, silu
+    activation: int = 0                  # ACTIVATIONS index: relu, gelu, gelu_tanh, silu, quick_gelu
     dropout_p: float = 0.0               # on act(pre) (ffn only), in [0, 1)
     rng_state: Optional[Tensor] = None   # int64 CPU [seed, offset] of the dropout stream
     store_preactivation: bool = False    # keep the pre-activation for a backward
@@ -382,10 +382,11 @@ class _CpuOnednn(_VendorGemm):
         (2048, 4096, 11008), (1024, 2048, 5632), (1024, 1024, 2816); GeGLU (2048, 2048, 5632)):
         not taken."""
         x2 = x.reshape(-1, x.shape[-1])
+        post_op = ONEDNN_POST_OPS.get(ACTIVATIONS[o.activation])
         if (not (o.store_preactivation or o.dropout_p) and not rows_kernel_takes(x2, w1, b1)
+                and (post_op is not None or w_up is not None)
                 and prepack.takes(x2, (w1, w2, w_up), (b1, b2, b_up))):
             return self._prepacked_fwd(x2, w1, b1, w2, b2, w_up, b_up, o).reshape(x.shape), x.new_empty((0,))
-        post_op = ONEDNN_POST_OPS.get(ACTIVATIONS[o.activation])
         if (w_up is not None or o.store_preactivation or o.dropout_p or post_op is None
                 or x2.dtype != torch.bfloat16 or not onednn_post_ops()
                 or rows_kernel_takes(x2, w1, b1)
@@ -397,7 +398,7 @@ class _CpuOnednn(_VendorGemm):
     def _prepacked_fwd(self, x2, w1, b1, w2, b2, w_up, b_up, o):
         """The inference forward on the weights' blocked copies (ff.convert(model,
         prepack_weights=True), ops/prepack.py): not gated, the activation as the up projection's
-        oneDNN post-op (every activation has one); gated, our gate pass over the two
+        oneDNN post-op (quick_gelu has none: it takes the route without prepacked weights); gated, our gate pass over the two
         projections' outputs (written over the gate's). ff.last_dispatch() names the route."""
         last = backends.last_dispatch()
         if last is not None and last.op == "ffn":
@@ -531,7 +532,7 @@ def ffn(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
         w1: (dim_feedforward, d_model), b1: (dim_feedforward,) or None (``nn.Linear`` layout).
         w2: (d_model, dim_feedforward), b2: (d_model,) or None. All in x's dtype and device.
         activation: ``"relu"``, ``"gelu"`` (exact erf, torch's default), ``"gelu_tanh"``,
-            ``"silu"``.
+            ``"silu"``, ``"quick_gelu"`` (``x * sigmoid(1.702 x)``, OpenAI CLIP's).
         dropout_p: dropout on the hidden activation, in [0, 1) (applied whenever > 0, like
             ``F.dropout(training=True)``; modules pass 0 in eval mode). The mask comes from a
             counter-based RNG seeded from torch's default generator (torch.manual_seed
