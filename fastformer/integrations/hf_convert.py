@@ -21,6 +21,10 @@ the same in other families  where a module's forward is Llama's (Gemma's, BERT's
                             blocks stay theirs)
 CLIP / SigLIP encoder       layer_norm2 with its residual add (by form: the vision towers
 layers                      written from them too)
+BART / Whisper-form         every residual add fused into its LayerNorm, fc1 -> act -> fc2 on
+encoder and decoder layers  ``ff.ffn`` (integrations/hf_seq2seq_forms.py): BART, Marian,
+                            mBART, Pegasus, M2M100 / NLLB, Blenderbot, Whisper, Speech2Text,
+                            MusicGen, XGLM, Qwen2-Audio, Voxtral, ...
 any other family's MLP      ``ff.ffn`` / ``ff.swiglu_ffn`` where its traced forward is one of
                             the forms of integrations/hf_mlp_forms.py: CLIP, SigLIP, GPT-NeoX,
                             Phi, Starcoder2, GPT-J, DINOv2, Phi-3, GLM-4, ModernBERT, Llama 4,
@@ -71,11 +75,14 @@ from ..ops.dropout import dropout
 from ..ops.embedding import embedding
 from ..ops.ffn import ffn, swiglu_ffn
 from ..ops.linear import linear
-from ..ops.norm import add_layer_norm, rms_norm
 from .hf_mlp_forms import activation_name as _activation
 from .hf_mlp_forms import convert_mlp_by_form, mlp_candidate
 from .hf_mlp_forms import same_dtype as _same_dtype
+from .hf_residual import RMSNormMixin as _RMSNorm
+from .hf_residual import add_norm as _add_norm
+from .hf_residual import layer_norm_added as _layer_norm_added
 from .hf_rotary import code_form, convert_rotary_attention, rotary_mixin
+from .hf_seq2seq_forms import seq2seq_forms
 
 _SWAPPED: dict = {}
 
@@ -116,20 +123,6 @@ def _with_signature_of(forward: Callable, original: Callable) -> Callable:
 
 
 # ---- norms -------------------------------------------------------------------------------------
-class _RMSNorm:
-    """Llama-style ``w * x_hat`` (T5LayerNorm too), Gemma's ``x_hat * (1 + w)``."""
-    _ff_what = "ff.rms_norm"
-
-    def _ff_weight(self):
-        w = self.weight
-        return 1.0 + w.float() if self._ff_offset else w
-
-    def forward(self, hidden_states):
-        if not (self._ff_offset or _same_dtype(hidden_states, self.weight)):
-            return super().forward(hidden_states)
-        return rms_norm(hidden_states, self._ff_weight(), self._ff_eps)
-
-
 def _norm_eps(m: nn.Module) -> Optional[float]:
     eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
     return float(eps) if isinstance(eps, (int, float)) else None
@@ -142,25 +135,6 @@ def _convert_rms(m: nn.Module, offset: bool) -> Optional[str]:
     m._ff_eps, m._ff_offset = eps, offset
     _swap(m, _RMSNorm)
     return None
-
-
-def _add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
-    """(norm(x + residual), x + residual) in one pass where the norm is a converted RMSNorm or a
-    LayerNorm; else as eager."""
-    if isinstance(norm, _RMSNorm) and (norm._ff_offset or _same_dtype(x, norm.weight)):
-        return rms_norm(x, norm._ff_weight(), norm._ff_eps, residual=residual, return_residual=True)
-    if isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1 and \
-            _same_dtype(x, norm.weight, norm.bias):
-        return add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps, return_residual=True)
-    total = x + residual
-    return norm(total), total
-
-
-def _layer_norm_added(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """norm(x + residual) for a LayerNorm, fused."""
-    if len(norm.normalized_shape) == 1 and _same_dtype(x, norm.weight, norm.bias):
-        return add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
-    return norm(x + residual)
 
 
 # ---- decoder layers (Llama, Mistral, Qwen2/3, Gemma) ---------------------------------------------
@@ -545,6 +519,7 @@ def _forms() -> dict:
     from transformers.models.llama import modeling_llama as llama
     from transformers.models.siglip import modeling_siglip as siglip
     return {
+        **seq2seq_forms(code_form, _swap),
         code_form(siglip.SiglipEncoderLayer.forward): lambda m: _swap(m, _PreNormEncoderLayer),
         code_form(bert.BertSelfOutput.forward): _convert_bert_form_add_norm,
         code_form(bert.BertOutput.forward): _convert_bert_form_add_norm,
