@@ -45,11 +45,13 @@ def test_transposed_form_at_each_level_matches_fp64(level):
     ff._ext.set_cpu_capability(level)
     try:
         g = torch.Generator().manual_seed(7)
-        for rows in (3, 15, 16, 31, 32, 47, 70):
-            x, w, b = (torch.randn(*s, generator=g) for s in ((rows, 203), (113, 203), (113,)))
+        # 3-8 rows take it when x is over 64 KiB (the dot form below that)
+        for rows, in_f in ((3, 5600), (8, 2113), (9, 203), (15, 203), (16, 203), (31, 203), (32, 203),
+                           (47, 203), (70, 203)):
+            x, w, b = (torch.randn(*s, generator=g) for s in ((rows, in_f), (113, in_f), (113,)))
             torch.testing.assert_close(ff._ext.C.linear_rows(x, w, b).double(),
                                        F.linear(x.double(), w.double(), b.double()),
-                                       atol=1e-5 * 203 ** 0.5, rtol=1e-5)
+                                       atol=1e-5 * in_f ** 0.5, rtol=1e-5)
     finally:
         ff._ext.set_cpu_capability(before)
 
@@ -81,14 +83,22 @@ def test_bf16_amx_form_matches_fp64_product(rows, in_f, out_f, bias):
 
 
 def test_linear_uses_the_kernel_only_where_it_is_measured_faster():
-    w = torch.randn(64, 32)
+    from fastformer.ops import cpu_gemm
+    w = torch.randn(1024, 1024)  # 4 MiB of fp32 weights
     most = lin.max_rows(torch.float32)
     assert most == {"avx512": 64, "avx2": 32}.get(ff._ext.cpu_level(), 0)
     if most == 0:
-        assert not lin.rows_kernel_takes(torch.randn(1, 32), w, None)  # default level: never
+        assert not lin.rows_kernel_takes(torch.randn(1, 1024), w, None)  # default level: never
         return
-    assert lin.rows_kernel_takes(torch.randn(most, 32), w, None)
-    assert not lin.rows_kernel_takes(torch.randn(most + 1, 32), w, None)  # more rows: GEMM
+    fewest = 4 if cpu_gemm.mkl_on_intel() else 1  # MKL on Intel: 1-3 rows and small weights torch's
+    assert lin.min_rows(torch.float32) == fewest
+    assert lin.rows_kernel_takes(torch.randn(fewest, 1024), w, None)
+    assert not lin.rows_kernel_takes(torch.randn(fewest - 1, 1024), w, None)
+    assert lin.rows_kernel_takes(torch.randn(most, 1024), w, None)
+    assert not lin.rows_kernel_takes(torch.randn(most + 1, 1024), w, None)  # more rows: GEMM
+    small = torch.randn(64, 32)
+    assert lin.rows_kernel_takes(torch.randn(fewest, 32), small, None) == (not cpu_gemm.mkl_on_intel())
+    w = small
     wb = w.bfloat16()
     assert lin.rows_kernel_takes(torch.randn(1, 32).bfloat16(), wb, None)
     if ff._ext.amx_in_use():  # bf16 on AMX tiles: up to 64 rows, in features a multiple of 32
@@ -100,7 +110,8 @@ def test_linear_uses_the_kernel_only_where_it_is_measured_faster():
     else:
         assert not lin.rows_kernel_takes(torch.randn(2, 32).bfloat16(), wb, None)
     assert not lin.rows_kernel_takes(torch.randn(1, 32).double(), w.double(), None)
-    assert not lin.rows_kernel_takes(torch.randn(1, 32), w.t().contiguous().t(), None)  # column stride
+    w = torch.randn(1024, 1024)
+    assert not lin.rows_kernel_takes(torch.randn(fewest, 1024), w.t().contiguous().t(), None)  # column stride
 
 
 def test_linear_with_autograd_is_f_linear_and_has_gradients():
@@ -118,8 +129,11 @@ def test_linear_with_autograd_is_f_linear_and_has_gradients():
 
 def test_converted_llama_decode_step_runs_the_kernel(monkeypatch):
     """ff.convert's nn.Linear and MLP take the kernel for a decode step (parameters included),
-    and the logits match the unconverted model's."""
+    and the logits match the unconverted model's (the rule of CPUs whose torch GEMM is not
+    Intel's MKL: from one row, any weight size)."""
     transformers = pytest.importorskip("transformers", reason="needs transformers")
+    from fastformer.ops import cpu_gemm
+    monkeypatch.setattr(cpu_gemm, "mkl_on_intel", lambda: False)
     cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96,
                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     torch.manual_seed(0)

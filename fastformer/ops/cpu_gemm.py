@@ -29,10 +29,16 @@ def torch_fp32_gemm_wins():
         return forced == "torch", f"{FP32_GEMM_ENV}={forced}"
     if forced != "auto":
         raise ValueError(f"{FP32_GEMM_ENV} must be 'torch', 'packed' or 'auto', got {forced!r}")
-    vendor = _ext.cpu_info().get("vendor", "")
-    if vendor == "GenuineIntel" and torch.backends.mkl.is_available():
+    if mkl_on_intel():
         return True, "torch's fp32 GEMM is MKL on an Intel CPU"
+    vendor = _ext.cpu_info().get("vendor", "")
     return False, f"the packed kernel is faster than torch's fp32 GEMM on this CPU ({vendor or 'unknown vendor'})"
+
+
+@functools.lru_cache(maxsize=None)
+def mkl_on_intel() -> bool:
+    """Whether torch's fp32 GEMMs are MKL's on an Intel CPU (its AVX-512 code paths)."""
+    return _ext.cpu_info().get("vendor", "") == "GenuineIntel" and torch.backends.mkl.is_available()
 
 
 # ff's activation -> (attr, scalars, algorithm) of torch.ops.mkldnn._linear_pointwise. quick_gelu

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _ext
-from . import prepack
+from . import cpu_gemm, prepack
 from ._opdef import owned, plain_tensor as _plain, rowwise
 
 # Most rows a call may have to take the kernel, per CPU kernel level and weight dtype (measured,
@@ -50,6 +50,23 @@ from ._opdef import owned, plain_tensor as _plain, rowwise
 MAX_ROWS = {"avx512": {torch.float32: 64, torch.bfloat16: 1, torch.float16: 1},
             "avx2": {torch.float32: 32, torch.bfloat16: 1, torch.float16: 1}}
 MAX_AMX_ROWS = 64
+# MKL's fp32 GEMM on an Intel CPU reads the weights as fast as the kernel for 1-3 rows and has
+# less per-call cost: 2-core AMX Xeon, ours / torch, (11008 x 4096, 4096 x 11008, 4096 x 4096)
+# fp32 weights in turn (memory-bound) 1 row 1.01x, 2 rows 0.98x, 3 rows 0.94x, 4 rows 1.78x;
+# (512 x 512, 2048 x 512, 512 x 2048), a Marian-size decoder's, which stay in the 480 MiB L3:
+# 1-3 rows 0.82-0.88x, 4 rows 1.12x. Elsewhere torch's fp32 GEMM is generic code (Zen 5: 14-18
+# GB/s at 1-2 rows, the kernel 20-61): from one row. A weight of under a million fp32 values
+# (4 MiB) is a short call, where MKL's lower per-call cost wins: 512 x 512 at 4 / 8 rows, the
+# weight in L2, torch 16-19 / 25 us, the kernel 24 / 33; 512 x 2048 and 2048 x 512 at 4-8 rows
+# 0.94-1.27x torch's; a 32000 x 512 LM head 1.6-2.1x.
+MKL_MIN_ROWS = 4
+MKL_MIN_WEIGHTS = 1 << 20
+
+
+def min_rows(dtype: torch.dtype) -> int:
+    """Fewest rows of x for which linear_rows.cpp takes a call with dtype weights: fp32 from
+    MKL_MIN_ROWS on an Intel CPU with MKL, else 1."""
+    return MKL_MIN_ROWS if dtype == torch.float32 and cpu_gemm.mkl_on_intel() else 1
 
 
 def max_rows(dtype: torch.dtype) -> int:
@@ -62,11 +79,14 @@ def max_rows(dtype: torch.dtype) -> int:
 def rows_kernel_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether linear_rows.cpp computes x @ weight.T + bias for this call (no autograd check:
     the caller knows whether a gradient is needed)."""
-    if x.dim() == 0 or x.shape[-1] == 0 or not (_plain(x) and _plain(weight)):
+    if x.dim() == 0 or x.shape[-1] == 0:
         return False
-    rows = x.numel() // x.shape[-1]
-    return (x.device.type == "cpu" and weight.device.type == "cpu"
-            and 1 <= rows <= max_rows(x.dtype) and weight.dtype == x.dtype
+    rows = x.numel() // x.shape[-1]  # the cheap tests first: this runs on every decode-time call
+    if not min_rows(x.dtype) <= rows <= max_rows(x.dtype) or not (_plain(x) and _plain(weight)):
+        return False
+    if x.dtype == torch.float32 and weight.numel() < MKL_MIN_WEIGHTS and cpu_gemm.mkl_on_intel():
+        return False
+    return (x.device.type == "cpu" and weight.device.type == "cpu" and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and weight.stride(1) == 1
             and (rows == 1 or x.dtype == torch.float32 or x.shape[-1] % 32 == 0)  # bf16: AMX tile rows
             and (bias is None or (_plain(bias) and bias.dtype == x.dtype
@@ -199,8 +219,8 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
         if rows_kernel_takes(x, weight, bias):
             return rows_linear(x, weight, bias)
         # (compiled calls never look: dynamo does not trace the registry's weak dictionary)
-        if (not torch.compiler.is_compiling() and prepack.registered(weight) and x.dim() >= 1
-                and x.shape[-1] > 0):
+        if (x.dtype == torch.bfloat16 and not torch.compiler.is_compiling() and prepack.registered(weight)
+                and x.dim() >= 1 and x.shape[-1] > 0):
             x2 = x.reshape(-1, x.shape[-1])
             if prepack.takes(x2, (weight,), (bias,)):  # ff.convert(..., prepack_weights=True)
                 return prepack.linear(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
