@@ -2,7 +2,8 @@
 
 Kernel cases: one decode step, 32 query / 8 kv heads, head dim 128, a cache of 4096 tokens
 (batch 1 and 8; 4 new queries, as speculative decoding verifies them; a paged cache of 16-token
-blocks in shuffled order). ours = ff.attention_with_kvcache; sdpa = F.scaled_dot_product_attention
+blocks in shuffled order); and multi-head attention (16 heads of 64, no GQA: GPT-NeoX, Whisper's
+and BART's decoders) over caches of 280 and 1024 tokens, one query per head. ours = ff.attention_with_kvcache; sdpa = F.scaled_dot_product_attention
 on the same cache with enable_gqa=True (the kv heads not repeated: what transformers' sdpa
 attention calls on torch >= 2.5); eager = transformers' eager attention (repeat_kv, matmul,
 softmax, matmul). Work: the bytes of K and V read (the step is memory-bound), so the table's
@@ -29,9 +30,11 @@ from fastformer.ops import prepack
 
 from .common import Row, max_abs_err, policy_tolerance
 
-HEADS, KV_HEADS, HEAD_DIM, CACHE = 32, 8, 128, 4096
-KERNEL_CASES = [  # (batch, new queries, paged)
-    (1, 1, False), (8, 1, False), (1, 4, False), (1, 1, True),
+GQA = dict(heads=32, kv_heads=8, head_dim=128, cache=4096)
+MHA = dict(heads=16, kv_heads=16, head_dim=64)
+KERNEL_CASES = [  # (batch, new queries, paged, shape)
+    (1, 1, False, GQA), (8, 1, False, GQA), (1, 4, False, GQA), (1, 1, True, GQA),
+    (1, 1, False, dict(MHA, cache=280)), (1, 1, False, dict(MHA, cache=1024)),
 ]
 GENERATE = dict(layers=4, hidden=1024, heads=16, kv_heads=4)
 GENERATE_RUNS = [dict(batch=1, prompt=2048, new_tokens=128), dict(batch=8, prompt=256, new_tokens=64)]
@@ -54,9 +57,9 @@ def tolerance(row) -> float:
 def cases(device: str, dtypes: list, quick: bool = False):
     """Every case; quick: the representative one fastformer-bench runs without --full (a
     batch-1 decode step)."""
-    for B, Lq, paged in (KERNEL_CASES[:1] if quick else KERNEL_CASES):
+    for B, Lq, paged, shape in (KERNEL_CASES[:1] if quick else KERNEL_CASES):
         for dtype in dtypes:
-            yield dict(kind="step", B=B, Lq=Lq, paged=paged, dtype=dtype, device=device, mode="fwd")
+            yield dict(kind="step", B=B, Lq=Lq, paged=paged, dtype=dtype, device=device, mode="fwd", **shape)
     if quick:
         return
     for run in GENERATE_RUNS:
@@ -70,7 +73,7 @@ def case_name(c: dict) -> str:
         g, batch = GENERATE, f"{c['batch']}x" if c["batch"] > 1 else ""
         return f"HF generate Llama {g['layers']}x{g['hidden']} prompt {batch}{c['prompt']} +{c['new_tokens']}"
     paged = " paged" if c["paged"] else ""
-    return f"B={c['B']} q={c['Lq']} {HEADS}/{KV_HEADS} heads D={HEAD_DIM} cache {CACHE}{paged}"
+    return f"B={c['B']} q={c['Lq']} {c['heads']}/{c['kv_heads']} heads D={c['head_dim']} cache {c['cache']}{paged}"
 
 
 def _eager(q, k, v, causal_offset):
@@ -86,35 +89,36 @@ def _eager(q, k, v, causal_offset):
 
 def _build_step(c: dict):
     B, Lq, dtype, device = c["B"], c["Lq"], c["dtype"], c["device"]
+    heads, kv_heads, head_dim, cache = c["heads"], c["kv_heads"], c["head_dim"], c["cache"]
     g = torch.Generator().manual_seed(0)
     mk = lambda *s: torch.randn(*s, generator=g).to(device=device, dtype=dtype)  # noqa: E731
-    q, k, v = mk(B, HEADS, Lq, HEAD_DIM), mk(B, KV_HEADS, CACHE, HEAD_DIM), mk(B, KV_HEADS, CACHE, HEAD_DIM)
-    lens = torch.full((B,), CACHE - Lq, dtype=torch.int32, device=device)  # + Lq new = CACHE
+    q, k, v = mk(B, heads, Lq, head_dim), mk(B, kv_heads, cache, head_dim), mk(B, kv_heads, cache, head_dim)
+    lens = torch.full((B,), cache - Lq, dtype=torch.int32, device=device)  # + Lq new = cache
     total = lens + Lq
     mask = None
     if Lq > 1:  # the new queries see the cache and the new tokens up to themselves
-        i, j = torch.arange(Lq)[:, None], torch.arange(CACHE)[None, :]
-        mask = (j <= i + CACHE - Lq).to(device)
+        i, j = torch.arange(Lq)[:, None], torch.arange(cache)[None, :]
+        mask = (j <= i + cache - Lq).to(device)
     kc, vc, table = k, v, None
     if c["paged"]:
-        n = CACHE // 16
+        n = cache // 16
         order = torch.randperm(B * n, generator=g)
         table = torch.empty(B * n, dtype=torch.int32)
         table[order] = torch.arange(B * n, dtype=torch.int32)
         table = table.reshape(B, n).to(device)
-        kc = k.reshape(B, KV_HEADS, n, 16, HEAD_DIM).transpose(1, 2).reshape(B * n, KV_HEADS, 16, HEAD_DIM)[order].contiguous()
-        vc = v.reshape(B, KV_HEADS, n, 16, HEAD_DIM).transpose(1, 2).reshape(B * n, KV_HEADS, 16, HEAD_DIM)[order].contiguous()
+        kc = k.reshape(B, kv_heads, n, 16, head_dim).transpose(1, 2).reshape(B * n, kv_heads, 16, head_dim)[order].contiguous()
+        vc = v.reshape(B, kv_heads, n, 16, head_dim).transpose(1, 2).reshape(B * n, kv_heads, 16, head_dim)[order].contiguous()
     fns = {
         "ours": lambda: ff.attention_with_kvcache(q, kc, vc, cache_seqlens=total, block_table=table),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
-        "eager": lambda: _eager(q, k, v, CACHE - Lq),
+        "eager": lambda: _eager(q, k, v, cache - Lq),
     }
 
     def error():
         with ff.use_backend("reference"):
             ref = ff.attention(q.double(), k.double(), v.double(), causal="bottom_right")
         return max_abs_err(fns["ours"](), ref)
-    work = {"bytes": 2 * B * KV_HEADS * CACHE * HEAD_DIM * q.element_size()}
+    work = {"bytes": 2 * B * kv_heads * cache * head_dim * q.element_size()}
     row = Row("decode", case_name(c), str(dtype).replace("torch.", ""), "fwd", {}, work)
     return fns, row, error
 

@@ -373,6 +373,33 @@ def test_decode_one_row_reads_the_cache_in_place(capability_levels, D, paged, op
         ff._ext.set_cpu_capability(capability_levels[-1])
 
 
+# bf16 and fp16 take the one-row path too; 16 or more (batch row, kv head) tasks run without key
+# splits, each thread a fixed range of them.
+@pytest.mark.parametrize("dtype", [BF16, F16], ids=str)
+@pytest.mark.parametrize("D", [40, 128])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_decode_one_row_low_precision_without_splits(capability_levels, dtype, D, paged):
+    B, H, lens, L_max = 2, 16, [203, 1600], 1664
+    q, k_cache, v_cache, _, _, seqlens = _cache_case(B, H, H, 1, D, lens, L_max, dtype)
+    for b, n in enumerate(lens):
+        k_cache[b, :, n:] = float("nan")
+        v_cache[b, :, n:] = float("nan")
+    kc, vc, table = k_cache, v_cache, None
+    if paged:
+        kc, table = _paged(k_cache, 16)
+        vc, _ = _paged(v_cache, 16)
+    ref = _cache_oracle(q, k_cache, v_cache, seqlens, F64)
+    low = _cache_oracle(q, k_cache, v_cache, seqlens, dtype)
+    try:
+        for level in capability_levels:
+            ff._ext.set_cpu_capability(level)
+            with ff.use_backend("cpu"):
+                out = ff.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table)
+            check("out", out, ref, low)
+    finally:
+        ff._ext.set_cpu_capability(capability_levels[-1])
+
+
 def test_decode_splits_keys_deterministically():
     """Batch 1, one kv head: the decode kernel splits the keys across tasks and merges them; the
     result does not depend on the thread count and matches the flash forward's."""

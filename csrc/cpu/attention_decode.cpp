@@ -10,19 +10,20 @@
 //   row by row: score_row (band, masks, biases, softcap), the online softmax (common/
 //   online_softmax.h, log2 units)
 //   acc = alpha * acc + P V_block             micro-kernel GEMM
-// and writes its rows' (max, sum, acc) for its split. The keys of a call are split into
-// pieces of kBlocksPerSplit key blocks (a cache of 4096 keys: 6 tasks per kv head, so batch 1
-// with few kv heads still uses every core; the split depends on the keys only, not on the
-// thread count, and costs (splits * Dv) partials per row beside 2 * Lk * D keys read); the
-// splits of a row are merged in split order by their log-sum-exp (out = sum_s acc_s 2^(m_s - M)
-// / sum_s l_s 2^(m_s - M), M = max_s m_s; a sink joins the merged denominator), a deterministic
-// result for any thread count. With one split the task writes the output itself.
+// and writes its rows' (max, sum, acc) for its split. With fewer than kTasksWithoutSplits
+// (batch row, kv head) tasks the keys of a call are split into pieces of kBlocksPerSplit key
+// blocks (a cache of 4096 keys: 6 tasks per kv head, so batch 1 with few kv heads still uses
+// every core; the split depends on the shapes only, not on the thread count, and costs
+// (splits * Dv) partials per row beside 2 * Lk * D keys read); the splits of a row are merged
+// in split order by their log-sum-exp (out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M),
+// M = max_s m_s; a sink joins the merged denominator), a deterministic result for any thread
+// count. With one split the task writes the output itself.
 // Memory: K and V of a kv head read once per call (memory-bound: 2 * Lk * D per kv head),
 // Q, out and the partials O(B * H * Lq * (D + splits * Dv)).
 // Variable key lengths (k_lens, a KV cache) and paged caches (block_table) are read directly.
-// One query row per task (multi-head attention decoding a token) skips the GEMMs: fp32 scores
-// as dot products with the cache's key rows and P V as axpys of its value rows, in place
-// (DecodeRowGemms). Otherwise the two GEMMs of a key block, per dtype and level:
+// One query row per task (multi-head attention decoding a token) skips the GEMMs, in every
+// dtype: scores as dot products with the cache's key rows and P V as axpys of its value rows,
+// in place, in fp32 (DecodeRowGemms). Otherwise the two GEMMs of a key block, per dtype and level:
 //   - fp32 micro-kernel (DecodeFp32Gemms; every dtype, bf16 without bf16 instructions): the block's K
 //     and V converted into fp32 K^T / V panels (pack_kv_block), Q in MR-row panels;
 //   - bf16 instructions (DecodeBf16Gemms; bf16 at the AVX-512 level with AMX-BF16 or
@@ -42,6 +43,12 @@ namespace {
 using namespace attn;
 
 constexpr int64_t kBlocksPerSplit = 4;  // 768 keys
+// From this many (batch row, kv head) tasks the keys are not split: the tasks alone fill the
+// threads, each thread takes a fixed contiguous range of them (the same heads every call, so a
+// cache it read last call may still be in its core's L2), and no partials are merged. MHA fp32
+// (1, 16, 1, 64) against 1024 / 4096 keys, 2-core Xeon: 242 -> 219 / 891 -> 729 us (SDPA
+// 176 / 835).
+constexpr int64_t kTasksWithoutSplits = 16;
 
 // A task's GEMMs on the fp32 micro-kernel: Q's R rows in MR-row panels, each key block packed
 // into fp32 K^T / V panels in the thread's cache. At most kNarrowMR rows (a GQA group of 4 or
@@ -110,7 +117,9 @@ struct DecodeFp32Gemms {
 // of the value rows into acc. The micro-kernel path above packs each key block into K^T / V
 // panels for a one-row tile (the cache's bytes read, written and read again); fp32 (1, 16, 1,
 // 64) against 280 keys on the 2-core AMX Xeon took 157 us there, 93 here on one thread (SDPA
-// 38); 4096 keys 1160 us there, 748 here (SDPA 900).
+// 38); 4096 keys 1160 us there, 748 here (SDPA 900). bf16 (the values widened to fp32 as they
+// load) against the bf16 GEMMs' path, whose tiles are 16 query rows of which one is used: 280
+// keys 102 -> 57 us, 1024 keys 214 -> 158 (ff.attention_with_kvcache; SDPA 23 / 73).
 // Value rows outside [first_seen_key, end_seen_key) are not read (as the bf16 path's).
 template <typename T>
 struct DecodeRowGemms {
@@ -270,7 +279,9 @@ void attention_decode_typed(const AttnArgs& a, Bf16Gemm kind) {
   const Shape<A> full(a);
   const int64_t G = full.G, Lq = a.Lq, R = G * Lq;  // a task's rows: (g, i) at g * Lq + i
   const int64_t R_pad = round_up_to(R, Gemms::kRowAlign);
-  const int64_t n_split = std::max<int64_t>((full.n_kb + kBlocksPerSplit - 1) / kBlocksPerSplit, 1);
+  const int64_t n_split = a.B * a.Hkv >= kTasksWithoutSplits
+                              ? 1
+                              : std::max<int64_t>((full.n_kb + kBlocksPerSplit - 1) / kBlocksPerSplit, 1);
   // Partials of the splits (one split: the task writes out and lse itself).
   const int64_t n_rows = a.B * a.H * Lq, Dv_pad = full.Dv_pad;
   A* const part_m = n_split > 1 ? thread_scratch<A, Scratch::kDecRowMaxParts>(n_rows * n_split) : nullptr;
@@ -294,7 +305,16 @@ void attention_decode_typed(const AttnArgs& a, Bf16Gemm kind) {
   // threads from a quarter of the flops the GEMM paths wait for (fp32 (1, 16, 1, 64) against
   // 280 keys, 2-core Xeon: 93 us on one thread, 44 on two; torch SDPA 40).
   const double flops = 2.0 * a.B * a.H * Lq * a.Lk * (a.D + a.Dv) * (Gemms::kRowAlign == 1 ? 4.0 : 1.0);
-  parallel_tasks(a.B * a.Hkv * n_split, flops, [&](int64_t task) {
+  const auto run_tasks = [&](auto&& task) {
+    if (n_split == 1 && flops >= 2e6) {  // equal tasks: each thread the same contiguous range every call
+      at::parallel_for(0, a.B * a.Hkv, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t) task(t);
+      });
+    } else {
+      parallel_tasks(a.B * a.Hkv * n_split, flops, task);
+    }
+  };
+  run_tasks([&](int64_t task) {
     const int64_t split = task % n_split, bhkv = task / n_split;
     const int64_t b = bhkv / a.Hkv, hkv = bhkv % a.Hkv;
     AttnArgs ab = a;  // this row's key length (a KV cache: the band's d follows it)
@@ -381,16 +401,14 @@ void attention_decode_typed(const AttnArgs& a, Bf16Gemm kind) {
 void attn::attention_decode(const AttnArgs& args) {
   dispatch_dtype(args.dtype, [&](auto tag) {
     using T = decltype(tag);
+    const int64_t G = args.Hkv > 0 ? args.H / args.Hkv : 1;
+    if (G * args.Lq == 1) return attention_decode_typed<T, DecodeRowGemms<T>>(args, Bf16Gemm::kFp32);
 #ifdef FF_HAVE_BF16_GEMM
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       const Bf16Gemm kind = bf16_gemm();
       if (kind != Bf16Gemm::kFp32) return attention_decode_typed<T, DecodeBf16Gemms>(args, kind);
     }
 #endif
-    if constexpr (std::is_same_v<T, float>) {
-      const int64_t G = args.Hkv > 0 ? args.H / args.Hkv : 1;
-      if (G * args.Lq == 1) return attention_decode_typed<T, DecodeRowGemms<T>>(args, Bf16Gemm::kFp32);
-    }
     attention_decode_typed<T, DecodeFp32Gemms<T>>(args, Bf16Gemm::kFp32);
   });
 }
