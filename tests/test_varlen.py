@@ -344,6 +344,21 @@ def test_decode_narrow_rows_every_level(capability_levels, dtype, G, Lq):
         ff._ext.set_cpu_capability(capability_levels[-1])
 
 
+def _one_row_case(B, H, lens, D, dtype, paged):
+    """One query per head (MHA) against caches of 1664 slots holding `lens` keys, NaN past them;
+    (q, k_cache, v_cache, seqlens, and the caches as passed: paged in blocks of 16 or as they are,
+    with the block table or None)."""
+    q, k_cache, v_cache, _, _, seqlens = _cache_case(B, H, H, 1, D, lens, 1664, dtype)
+    for b, n in enumerate(lens):
+        k_cache[b, :, n:] = float("nan")
+        v_cache[b, :, n:] = float("nan")
+    if not paged:
+        return q, k_cache, v_cache, seqlens, k_cache, v_cache, None
+    kc, table = _paged(k_cache, 16)
+    vc, _ = _paged(v_cache, 16)
+    return q, k_cache, v_cache, seqlens, kc, vc, table
+
+
 # One query row per task (multi-head attention decoding one token, G * Lq = 1: attention_decode.cpp,
 # DecodeRowGemms) reads the cache's rows in place: head dims with vector tails, one key, a
 # block's worth, several key splits, paged caches, NaN past each row's keys, the options, every
@@ -352,15 +367,8 @@ def test_decode_narrow_rows_every_level(capability_levels, dtype, G, Lq):
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("option", [None, "window", "softcap", "alibi", "sinks"])
 def test_decode_one_row_reads_the_cache_in_place(capability_levels, D, paged, option):
-    B, H, lens, L_max = 3, 4, [1, 203, 1600], 1664
-    q, k_cache, v_cache, _, _, seqlens = _cache_case(B, H, H, 1, D, lens, L_max, F32)
-    for b, n in enumerate(lens):
-        k_cache[b, :, n:] = float("nan")
-        v_cache[b, :, n:] = float("nan")
-    kc, vc, table = k_cache, v_cache, None
-    if paged:
-        kc, table = _paged(k_cache, 16)
-        vc, _ = _paged(v_cache, 16)
+    B, H = 3, 4
+    q, k_cache, v_cache, seqlens, kc, vc, table = _one_row_case(B, H, [1, 203, 1600], D, F32, paged)
     kw, okw = _option_kwargs(option, B, H, window=(150, 0))
     ref = _cache_oracle(q, k_cache, v_cache, seqlens, F64, **okw)
     try:
@@ -379,15 +387,7 @@ def test_decode_one_row_reads_the_cache_in_place(capability_levels, D, paged, op
 @pytest.mark.parametrize("D", [40, 128])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_decode_one_row_low_precision_without_splits(capability_levels, dtype, D, paged):
-    B, H, lens, L_max = 2, 16, [203, 1600], 1664
-    q, k_cache, v_cache, _, _, seqlens = _cache_case(B, H, H, 1, D, lens, L_max, dtype)
-    for b, n in enumerate(lens):
-        k_cache[b, :, n:] = float("nan")
-        v_cache[b, :, n:] = float("nan")
-    kc, vc, table = k_cache, v_cache, None
-    if paged:
-        kc, table = _paged(k_cache, 16)
-        vc, _ = _paged(v_cache, 16)
+    q, k_cache, v_cache, seqlens, kc, vc, table = _one_row_case(2, 16, [203, 1600], D, dtype, paged)
     ref = _cache_oracle(q, k_cache, v_cache, seqlens, F64)
     low = _cache_oracle(q, k_cache, v_cache, seqlens, dtype)
     try:
