@@ -30,7 +30,8 @@ from .common import Row, max_abs_err, policy_tolerance
 # (tokens, d_model, dim_feedforward, activation, gated)
 SHAPES = [(4096, 768, 3072, "relu", False), (4096, 768, 3072, "gelu", False),
           (8192, 1024, 4096, "gelu", False), (2048, 4096, 11008, "silu", True),
-          (2048, 2048, 5632, "gelu_tanh", True)]
+          (2048, 2048, 5632, "gelu_tanh", True),
+          (4096, 1024, 4096, "quick_gelu", False)]  # OpenAI CLIP ViT-L/14's MLP
 # Decode-time MLPs (inference only): 1 and 16 token rows through a Llama-7B-sized SwiGLU, where
 # reading the weights is the cost.
 DECODE_SHAPES = [(1, 4096, 11008, "silu", True), (16, 4096, 11008, "silu", True)]
@@ -47,7 +48,8 @@ BUDGET_S = float(os.environ.get("FASTFORMER_BENCH_BUDGET_S", "40"))
 CALIBRATION = (256, 256, 1024)
 ERR_TOKENS = 256
 _ACT = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu,
-        "gelu_tanh": lambda t: F.gelu(t, approximate="tanh")}
+        "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+        "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t)}  # transformers' QuickGELUActivation
 
 
 def _eager(x, w, act, gated):
