@@ -302,3 +302,34 @@ def test_form_family_compiles_fullgraph(name):
             y = torch.compile(ours.eval(), fullgraph=True)(**inputs).logits
         r = copy.deepcopy(model).double().eval()(**inputs).logits
         assert (y.double() - r).abs().max().item() <= 1e-5 * r.abs().max().item()
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "quick_gelu"])
+@pytest.mark.parametrize("gated", [False, True])
+def test_decode_time_mlp_call(activation, gated):
+    """A converted MLP's call without autograd of at most DECODE_ROWS rows runs three linears
+    and torch's activation (ff.ffn's per-call cost skipped); more rows, or a gradient, run the
+    fused op. Both against fp64 eager."""
+    g = torch.Generator().manual_seed(0)
+    w1, w_up, w2 = (torch.randn(*s, generator=g) / 8 for s in ((72, 40), (72, 40), (40, 72)))
+    b1, b_up, b2 = (torch.randn(n, generator=g) for n in (72, 72, 40))
+    act = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+           "silu": F.silu, "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t)}[activation]
+
+    def ours(x):
+        if gated:
+            return hf_mlp_forms.model_swiglu_ffn(x, w1, w_up, w2, b1, b_up, b2, activation=activation)
+        return hf_mlp_forms.model_ffn(x, w1, b1, w2, b2, activation)
+
+    def exact(x):
+        d = [t.double() for t in (x, w1, b1, w_up, b_up, w2, b2)]
+        h = act(F.linear(d[0], d[1], d[2]))
+        return F.linear(h * F.linear(d[0], d[3], d[4]) if gated else h, d[5], d[6])
+    for rows, grad in ((1, False), (hf_mlp_forms.DECODE_ROWS, False), (hf_mlp_forms.DECODE_ROWS + 1, False), (1, True)):
+        x = torch.randn(rows, 1, 40, generator=g)
+        calls = []
+        with torch.set_grad_enabled(grad), _counting(calls):
+            y = ours(x)
+        assert calls == ([] if rows <= hf_mlp_forms.DECODE_ROWS and not grad else
+                         ["swiglu_ffn" if gated else "ffn"]), (rows, grad, calls)
+        torch.testing.assert_close(y.double(), exact(x), atol=1e-5, rtol=1e-5)

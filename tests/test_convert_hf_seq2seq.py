@@ -142,8 +142,8 @@ def test_float16_runs_the_original(monkeypatch):
     """float16 runs the unconverted forward (the originals clamp the stream to its range): no
     fused feed-forward call in float16, one per layer in float32."""
     calls = []
-    real = hf_seq2seq_forms.ffn
-    monkeypatch.setattr(hf_seq2seq_forms, "ffn", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = hf_seq2seq_forms.model_ffn
+    monkeypatch.setattr(hf_seq2seq_forms, "model_ffn", lambda *a, **k: calls.append(1) or real(*a, **k))
     ours = ff.convert(_model("bart").eval(), inplace=False).model
     inputs = _inputs("bart")
     with torch.no_grad():

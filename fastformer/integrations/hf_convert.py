@@ -73,10 +73,10 @@ from torch import nn
 
 from ..ops.dropout import dropout
 from ..ops.embedding import embedding
-from ..ops.ffn import ffn, swiglu_ffn
+from ..ops.ffn import ffn
 from ..ops.linear import linear
 from .hf_mlp_forms import activation_name as _activation
-from .hf_mlp_forms import convert_mlp_by_form, mlp_candidate
+from .hf_mlp_forms import convert_mlp_by_form, mlp_candidate, model_ffn, model_swiglu_ffn
 from .hf_mlp_forms import same_dtype as _same_dtype
 from .hf_residual import RMSNormMixin as _RMSNorm
 from .hf_residual import add_norm as _add_norm
@@ -172,8 +172,8 @@ class _GatedMLP:
         g, u, d = self.gate_proj, self.up_proj, self.down_proj
         if not _same_dtype(x, g.weight, u.weight, d.weight):
             return super().forward(x)
-        return swiglu_ffn(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias,
-                          activation=self._ff_act)
+        return model_swiglu_ffn(x, g.weight, u.weight, d.weight, g.bias, u.bias, d.bias,
+                                activation=self._ff_act)
 
 
 def _convert_act(m: nn.Module, act, mixin: type) -> Optional[str]:
@@ -288,7 +288,7 @@ class _GPT2MLP:
         fc, proj = self.c_fc, self.c_proj
         if not _same_dtype(hidden_states, fc.weight, proj.weight):
             return super().forward(hidden_states)
-        return self.dropout(ffn(hidden_states, fc.weight.t(), fc.bias, proj.weight.t(), proj.bias, self._ff_act))
+        return self.dropout(model_ffn(hidden_states, fc.weight.t(), fc.bias, proj.weight.t(), proj.bias, self._ff_act))
 
 
 class _GPT2Block:
@@ -312,7 +312,7 @@ class _T5DenseActDense:
         if not _same_dtype(hidden_states, self.wi.weight, self.wo.weight):
             return super().forward(hidden_states)
         p = self.dropout.p if self.training else 0.0
-        return ffn(hidden_states, self.wi.weight, self.wi.bias, self.wo.weight, self.wo.bias, self._ff_act, p)
+        return model_ffn(hidden_states, self.wi.weight, self.wi.bias, self.wo.weight, self.wo.bias, self._ff_act, p)
 
 
 class _T5DenseGatedActDense:
@@ -322,8 +322,8 @@ class _T5DenseGatedActDense:
         wg, wu, wo = self.wi_0, self.wi_1, self.wo
         if (self.training and self.dropout.p > 0) or not _same_dtype(hidden_states, wg.weight, wu.weight, wo.weight):
             return super().forward(hidden_states)
-        return swiglu_ffn(hidden_states, wg.weight, wu.weight, wo.weight, wg.bias, wu.bias, wo.bias,
-                          activation=self._ff_act)
+        return model_swiglu_ffn(hidden_states, wg.weight, wu.weight, wo.weight, wg.bias, wu.bias, wo.bias,
+                                activation=self._ff_act)
 
 
 # ---- linear layers ---------------------------------------------------------------------------------

@@ -33,8 +33,7 @@ from typing import Callable, Optional
 import torch
 
 from ..ops.dropout import dropout
-from ..ops.ffn import ffn
-from .hf_mlp_forms import activation_name, same_dtype
+from .hf_mlp_forms import activation_name, model_ffn, same_dtype
 from .hf_residual import add_norm, layer_norm_added
 
 
@@ -51,7 +50,7 @@ def _feed_forward(layer, x: torch.Tensor) -> torch.Tensor:
         h = layer.activation_fn(fc1(x))
         h = torch.nn.functional.dropout(h, p=layer.activation_dropout, training=layer.training)
         return _drop(layer, fc2(h))
-    return _drop(layer, ffn(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, layer._ff_act, p_act))
+    return _drop(layer, model_ffn(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, layer._ff_act, p_act))
 
 
 def _runs_original(hidden_states: torch.Tensor, kwargs: dict) -> bool:

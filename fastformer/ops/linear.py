@@ -79,7 +79,7 @@ def max_rows(dtype: torch.dtype) -> int:
 def rows_kernel_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether linear_rows.cpp computes x @ weight.T + bias for this call (no autograd check:
     the caller knows whether a gradient is needed)."""
-    if x.dim() == 0 or x.shape[-1] == 0:
+    if x.dim() == 0 or x.shape[-1] == 0 or torch.compiler.is_compiling():
         return False
     rows = x.numel() // x.shape[-1]  # the cheap tests first: this runs on every decode-time call
     if not min_rows(x.dtype) <= rows <= max_rows(x.dtype) or not (_plain(x) and _plain(weight)):
@@ -91,8 +91,7 @@ def rows_kernel_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool
             and (rows == 1 or x.dtype == torch.float32 or x.shape[-1] % 32 == 0)  # bf16: AMX tile rows
             and (bias is None or (_plain(bias) and bias.dtype == x.dtype
                                   and bias.shape == (weight.shape[0],) and bias.is_contiguous()))
-            and _ext.C is not None and hasattr(_ext.C, "linear_rows")
-            and not torch.compiler.is_compiling())
+            and _ext.C is not None and hasattr(_ext.C, "linear_rows"))
 
 
 def rows_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
