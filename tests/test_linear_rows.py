@@ -45,7 +45,7 @@ def test_transposed_form_at_each_level_matches_fp64(level):
     ff._ext.set_cpu_capability(level)
     try:
         g = torch.Generator().manual_seed(7)
-        # 3-8 rows take it when x is over 64 KiB (the dot form below that)
+        # from 3 rows; x beyond L1 (3 x 5600, 8 x 2113) too
         for rows, in_f in ((3, 5600), (8, 2113), (9, 203), (15, 203), (16, 203), (31, 203), (32, 203),
                            (47, 203), (70, 203)):
             x, w, b = (torch.randn(*s, generator=g) for s in ((rows, in_f), (113, in_f), (113,)))
@@ -84,7 +84,7 @@ def test_bf16_amx_form_matches_fp64_product(rows, in_f, out_f, bias):
 
 def test_linear_uses_the_kernel_only_where_it_is_measured_faster():
     from fastformer.ops import cpu_gemm
-    w = torch.randn(1024, 1024)  # 4 MiB of fp32 weights
+    w = torch.randn(2048, 1024)  # 8 MiB of fp32 weights
     most = lin.max_rows(torch.float32)
     assert most == {"avx512": 64, "avx2": 32}.get(ff._ext.cpu_level(), 0)
     if most == 0:
@@ -96,6 +96,7 @@ def test_linear_uses_the_kernel_only_where_it_is_measured_faster():
     assert not lin.rows_kernel_takes(torch.randn(fewest - 1, 1024), w, None)
     assert lin.rows_kernel_takes(torch.randn(most, 1024), w, None)
     assert not lin.rows_kernel_takes(torch.randn(most + 1, 1024), w, None)  # more rows: GEMM
+    assert lin.rows_kernel_takes(torch.randn(fewest, 1024), w[:1024], None) == (not cpu_gemm.mkl_on_intel())
     small = torch.randn(64, 32)
     assert lin.rows_kernel_takes(torch.randn(fewest, 32), small, None) == (not cpu_gemm.mkl_on_intel())
     w = small
@@ -110,7 +111,7 @@ def test_linear_uses_the_kernel_only_where_it_is_measured_faster():
     else:
         assert not lin.rows_kernel_takes(torch.randn(2, 32).bfloat16(), wb, None)
     assert not lin.rows_kernel_takes(torch.randn(1, 32).double(), w.double(), None)
-    w = torch.randn(1024, 1024)
+    w = torch.randn(2048, 1024)
     assert not lin.rows_kernel_takes(torch.randn(fewest, 1024), w.t().contiguous().t(), None)  # column stride
 
 

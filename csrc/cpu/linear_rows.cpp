@@ -11,11 +11,7 @@
 //  * f32 weights, 3 or more rows: x transposed, weight scalars broadcast against vectors of
 //    rows (below). The dot form reloads every x row per weight vector (x no longer fits L1: 8
 //    rows of 4096 fp32 are 128 KiB) and ran 14.6 GB/s at 8 rows on the 2-core AMX Xeon against
-//    24-27 for this form up to 16 rows; 3 rows 24.9 vs 23.2 GB/s, 2 rows 25.0 vs 27.1. But the
-//    transposed form fills a vector of rows with 3-8 rows and zeros: where the weights come
-//    from a cache (a Marian-size decoder's 512 x 512, 2048 x 512, 512 x 2048 in this Xeon's
-//    L3) it ran 165 us per matrix at 3-8 rows, the dot form 74-118 (torch 61-153). So the dot
-//    form takes up to 8 rows while x is at most 64 KiB (bindings: kDotFormMaxXBytes).
+//    24-27 for this form up to 16 rows; 3 rows 24.9 vs 23.2 GB/s, 2 rows 25.0 vs 27.1.
 //  * bf16 weights on AMX (I a multiple of 32): the weight rows read in place as A tiles
 //    (below): 26-27 GB/s for 1-16 rows where oneDNN's bf16 GEMM reads 20-22 (1.2-1.3x up to 64
 //    rows; ops/linear.py has the measurements).

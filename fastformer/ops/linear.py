@@ -54,13 +54,15 @@ MAX_AMX_ROWS = 64
 # less per-call cost: 2-core AMX Xeon, ours / torch, (11008 x 4096, 4096 x 11008, 4096 x 4096)
 # fp32 weights in turn (memory-bound) 1 row 1.01x, 2 rows 0.98x, 3 rows 0.94x, 4 rows 1.78x;
 # (512 x 512, 2048 x 512, 512 x 2048), a Marian-size decoder's, which stay in the 480 MiB L3:
-# 1-3 rows 0.82-0.88x, 4 rows 1.12x. Elsewhere torch's fp32 GEMM is generic code (Zen 5: 14-18
-# GB/s at 1-2 rows, the kernel 20-61): from one row. A weight of under a million fp32 values
-# (4 MiB) is a short call, where MKL's lower per-call cost wins: 512 x 512 at 4 / 8 rows, the
-# weight in L2, torch 16-19 / 25 us, the kernel 24 / 33; 512 x 2048 and 2048 x 512 at 4-8 rows
-# 0.94-1.27x torch's; a 32000 x 512 LM head 1.6-2.1x.
+# 1-3 rows 0.82-0.88x. And weights under 2M values (8 MiB), where the transposed form's 4-8 rows
+# fill a quarter to half of each 16-row vector and MKL is ahead: 2048 x 512 and 1024 x 1024 at 4
+# rows 183-210 us against torch's 75-85 (one matrix, cached), 274-312 against 246-282 (64 in
+# turn, from L3); at 8 rows 184-197 against 120-134 cached, 274-315 against 298-369 from L3.
+# From 2816 x 1024 on the kernel leads from memory at 4 rows (633 against 793 us) and 8 (638
+# against 1044; 4096 x 1024: 876 / 878 against 1174 / 1540). Elsewhere torch's fp32 GEMM is
+# generic code (Zen 5: 14-18 GB/s at 1-2 rows, the kernel 20-61): from one row, any size.
 MKL_MIN_ROWS = 4
-MKL_MIN_WEIGHTS = 1 << 20
+MKL_MIN_WEIGHTS = 1 << 21
 
 
 def min_rows(dtype: torch.dtype) -> int:

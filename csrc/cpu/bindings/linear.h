@@ -5,12 +5,9 @@
 namespace fastformer {
 namespace cpu_bindings {
 
-constexpr int64_t kDotFormMaxXBytes = 64 * 1024;
-
 // linear_rows(x (rows, in), weight (out, in), bias) -> x W^T + b in x's dtype: rows <= 8 any
-// weight dtype, more rows f32 only. x is converted to f32 (f32, 3 or more rows and more than
-// kDotFormMaxXBytes or 8 rows: transposed, the rows zero-padded to a multiple of 16), the weight
-// and bias are read in place.
+// weight dtype, more rows f32 only. x is converted to f32 (f32, 3 or more rows: transposed, the
+// rows zero-padded to a multiple of 16), the weight and bias are read in place.
 inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<Tensor>& bias) {
   check_cpu(weight, "linear_rows");
   const auto wt = weight.scalar_type();
@@ -26,11 +23,7 @@ inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<
                   x.scalar_type() == wt && (x.size(0) <= 8 || wt == at::kFloat || amx),
               "fastformer._C.linear_rows: x must be (rows, in) in the weight's dtype, 1..8 rows "
               "unless the weight is f32 (or bf16 on AMX with in a multiple of 32)");
-  // f32 weights: the transposed form from 3 rows unless x is at most 8 rows and 64 KiB (it then
-  // stays in L1 / L2 for the dot form, whose vectors are all useful lanes; measured:
-  // linear_rows.cpp)
-  const bool transposed = x.size(0) > 2 && wt == at::kFloat &&
-                          !(x.size(0) <= 8 && x.size(0) * x.size(1) * 4 <= kDotFormMaxXBytes);
+  const bool transposed = x.size(0) > 2 && wt == at::kFloat;  // measured: linear_rows.cpp
   Tensor xf;
   if (amx) {
     xf = x.contiguous();
