@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from oracle import GRAD_FACTOR, LOWP_ATOL, OUT_FACTOR, assert_lowp_rule, assert_model_matches
 from test_convert_hf import _run
+from test_ffn import ACTS
 from torch import nn
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face conversion needs transformers")
@@ -313,8 +314,7 @@ def test_decode_time_mlp_call(activation, gated):
     g = torch.Generator().manual_seed(0)
     w1, w_up, w2 = (torch.randn(*s, generator=g) / 8 for s in ((72, 40), (72, 40), (40, 72)))
     b1, b_up, b2 = (torch.randn(n, generator=g) for n in (72, 72, 40))
-    act = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
-           "silu": F.silu, "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t)}[activation]
+    act = ACTS[activation]
 
     def ours(x):
         if gated:

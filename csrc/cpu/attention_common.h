@@ -574,11 +574,20 @@ void attention_decode(const AttnArgs& args);
 
 // Runs task(t) for t in [0, n) on all threads, handing out tasks one at a time: causal tiles
 // differ in cost, and a static split would leave one core idle (or wait on a busy core).
+// equal_tasks: each thread a fixed contiguous range of the tasks (the same range every call for
+// the same n: the decode kernel's heads, whose cache a core may still hold), for tasks of about
+// one cost.
 // Below ~2 MFLOP of total work everything runs on the calling thread (see pack_kv).
 template <typename F>
-void parallel_tasks(int64_t n, double total_flops, F&& task) {
+void parallel_tasks(int64_t n, double total_flops, F&& task, bool equal_tasks = false) {
   if (total_flops < 2e6 || n == 1) {
     for (int64_t t = 0; t < n; ++t) task(t);
+    return;
+  }
+  if (equal_tasks) {
+    at::parallel_for(0, n, 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) task(t);
+    });
     return;
   }
   std::atomic<int64_t> next{0};

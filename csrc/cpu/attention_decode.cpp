@@ -305,16 +305,7 @@ void attention_decode_typed(const AttnArgs& a, Bf16Gemm kind) {
   // threads from a quarter of the flops the GEMM paths wait for (fp32 (1, 16, 1, 64) against
   // 280 keys, 2-core Xeon: 93 us on one thread, 44 on two; torch SDPA 40).
   const double flops = 2.0 * a.B * a.H * Lq * a.Lk * (a.D + a.Dv) * (Gemms::kRowAlign == 1 ? 4.0 : 1.0);
-  const auto run_tasks = [&](auto&& task) {
-    if (n_split == 1 && flops >= 2e6) {  // equal tasks: each thread the same contiguous range every call
-      at::parallel_for(0, a.B * a.Hkv, 1, [&](int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t) task(t);
-      });
-    } else {
-      parallel_tasks(a.B * a.Hkv * n_split, flops, task);
-    }
-  };
-  run_tasks([&](int64_t task) {
+  parallel_tasks(a.B * a.Hkv * n_split, flops, [&](int64_t task) {
     const int64_t split = task % n_split, bhkv = task / n_split;
     const int64_t b = bhkv / a.Hkv, hkv = bhkv % a.Hkv;
     AttnArgs ab = a;  // this row's key length (a KV cache: the band's d follows it)
@@ -371,7 +362,7 @@ void attention_decode_typed(const AttnArgs& a, Bf16Gemm kind) {
       part_l[at] = row_sum[r];
       std::copy(acc + r * Dv_pad, acc + (r + 1) * Dv_pad, part_acc + at * Dv_pad);
     }
-  });
+  }, /*equal_tasks=*/n_split == 1);
   if (n_split == 1) return;
 
   // Merge the splits of each row, in split order.
