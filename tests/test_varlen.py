@@ -362,8 +362,8 @@ def _one_row_case(B, H, lens, D, dtype, paged):
 # One query row per task (multi-head attention decoding one token, G * Lq = 1: attention_decode.cpp,
 # DecodeRowGemms) reads the cache's rows in place: head dims with vector tails, one key, a
 # block's worth, several key splits, paged caches, NaN past each row's keys, the options, every
-# CPU level.
-@pytest.mark.parametrize("D", [40, 72, 80, 128])
+# CPU level; head dims of one vector or less, and of several register chunks of P V (256).
+@pytest.mark.parametrize("D", [8, 40, 72, 80, 128, 256])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("option", [None, "window", "softcap", "alibi", "sinks"])
 def test_decode_one_row_reads_the_cache_in_place(capability_levels, D, paged, option):
@@ -377,6 +377,21 @@ def test_decode_one_row_reads_the_cache_in_place(capability_levels, D, paged, op
             with ff.use_backend("cpu"):
                 out = ff.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, **kw)
             check("out", out, ref.float(), atol=1e-5, rtol=1e-5)
+    finally:
+        ff._ext.set_cpu_capability(capability_levels[-1])
+
+
+# fp64 on the same path (its dot products summed one key at a time, in fp64).
+@pytest.mark.parametrize("D", [8, 72, 256])
+def test_decode_one_row_fp64(capability_levels, D):
+    q, k_cache, v_cache, seqlens, kc, vc, table = _one_row_case(2, 3, [17, 203], D, F64, paged=False)
+    ref = _cache_oracle(q, k_cache, v_cache, seqlens, F64)
+    try:
+        for level in capability_levels:
+            ff._ext.set_cpu_capability(level)
+            with ff.use_backend("cpu"):
+                out = ff.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens)
+            check("out", out, ref, atol=1e-12, rtol=1e-12)
     finally:
         ff._ext.set_cpu_capability(capability_levels[-1])
 
