@@ -51,6 +51,13 @@ def _configs():
                                               q_lora_rank=768, kv_lora_rank=512, qk_rope_head_dim=64,
                                               qk_nope_head_dim=128, v_head_dim=128,
                                               first_k_dense_replace=4), 1, 1024),
+        # mixture of experts: 8 experts of 1024 -> 3584 per layer, 2 per token (ff.moe_ffn against
+        # transformers' default experts implementation, grouped_mm)
+        "Mixtral-style 2x1024 8 experts top-2": (t.MixtralConfig, t.MixtralForCausalLM,
+                                                 dict(vocab_size=32000, hidden_size=1024, intermediate_size=3584,
+                                                      num_hidden_layers=2, num_attention_heads=16,
+                                                      num_key_value_heads=4, num_local_experts=8,
+                                                      num_experts_per_tok=2, max_position_embeddings=4096), 1, 1024),
         # the gate and up projections as one (2 x 5632, 2048) linear: ff.swiglu_ffn on its halves
         "Phi-3-style 4x2048 GQA 32/8": (t.Phi3Config, t.Phi3ForCausalLM, dict(llama, pad_token_id=0), 1, 1024),
         "BERT-base 12x768": (t.BertConfig, t.BertModel, dict(vocab_size=30522, hidden_size=768,
@@ -205,12 +212,25 @@ def build(c: dict):
         return train_step
     fns = {name: step(m) for name, m in models.items()}
 
+    # A mixture of experts routes each token by its top-k router logits: in bf16 a last-bit
+    # difference flips some tokens to other experts in either run (Mixtral-style bf16 inference
+    # against an fp32 run of the same weights: sdpa's worst token 0.83 of the largest logit off,
+    # 63 of 1024 tokens more than 0.1 off, ours 0.92 and 67; median token 0.023 for both). There
+    # the error is the median over tokens of each token's largest difference.
+    moe = getattr(base.config, "num_local_experts", None) or getattr(base.config, "num_experts", None)
+    per_token = bool(moe) and not train
+
     def error():
         a, b = fns["ours"](), fns["sdpa"]()
         if not train:
             a, b = _main_output(a), _main_output(b)
         scale = b.abs().max().item() or 1.0
-        return (a.float() - b.float()).abs().max().item() / scale
-    row = Row("models", case_name(c), str(c["dtype"]).replace("torch.", ""), c["mode"], {}, {},
-              note="max err: relative to sdpa's largest output value (training: the loss)")
+        diff = (a.float() - b.float()).abs()
+        if per_token:
+            return diff.reshape(-1, diff.shape[-1]).amax(-1).median().item() / scale
+        return diff.max().item() / scale
+    note = "max err: relative to sdpa's largest output value (training: the loss)"
+    if per_token:
+        note += "; mixture of experts: the median token's largest difference (routing flips)"
+    row = Row("models", case_name(c), str(c["dtype"]).replace("torch.", ""), c["mode"], {}, {}, note=note)
     return fns, row, error

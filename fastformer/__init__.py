@@ -20,6 +20,7 @@ from .modules.transformer import (Transformer, TransformerDecoder,  # noqa: E402
 from .ops.attention import RelativePositionBias, attention  # noqa: E402
 from .ops.ffn import ffn, swiglu_ffn  # noqa: E402
 from .ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+from .ops.moe import moe_ffn  # noqa: E402
 from .ops.norm import add_layer_norm, layer_norm, rms_norm  # noqa: E402
 from .ops.rotary import apply_rotary  # noqa: E402
 from .ops.sdpa import SDPAError, patch_sdpa, scaled_dot_product_attention  # noqa: E402
@@ -30,7 +31,7 @@ __all__ = [
     "add_layer_norm", "layer_norm", "rms_norm", "LayerNorm", "RMSNorm",
     "attention", "RelativePositionBias", "scaled_dot_product_attention", "varlen_attention",
     "attention_with_kvcache", "patch_sdpa", "SDPAError",
-    "ffn", "swiglu_ffn", "apply_rotary", "linear_cross_entropy",
+    "ffn", "swiglu_ffn", "moe_ffn", "apply_rotary", "linear_cross_entropy",
     "MultiheadAttention", "TransformerEncoderLayer", "TransformerDecoderLayer",
     "TransformerEncoder", "TransformerDecoder", "Transformer",
     "SinusoidalPositionalEncoding", "LearnedPositionalEncoding", "RotaryEmbedding",

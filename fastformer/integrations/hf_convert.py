@@ -17,8 +17,10 @@ their attention modules     the rotary embedding of q and k on ``ff.apply_rotary
                             (integrations/hf_rotary.py)
 the same in other families  where a module's forward is Llama's (Gemma's, BERT's) instruction
                             for instruction (``_forms``): Mixtral, Qwen-MoE, DeepSeek-V3,
-                            Phi-3, SmolLM3, OLMoE, GLM, XLM-RoBERTa, ELECTRA, ... (the MoE
-                            blocks stay theirs)
+                            Phi-3, SmolLM3, OLMoE, GLM, XLM-RoBERTa, ELECTRA, ...
+experts modules of MoE      ``ff.moe_ffn`` as transformers' experts implementation "fastformer"
+models (Mixtral, Qwen-MoE,  (integrations/hf_moe.py): gated experts with [gate; up] rows and
+OLMoE, DeepSeek, ...)       the default gate; others named in the report with the reason
 CLIP / SigLIP encoder       layer_norm2 with its residual add (by form: the vision towers
 layers                      written from them too)
 BART / Whisper-form         every residual add fused into its LayerNorm, fc1 -> act -> fc2 on
@@ -50,7 +52,9 @@ nn.Linear (every one)       ops/linear.py: calls of 1-8 rows without autograd (d
                             bf16 weight gradients on AMX tiles from 1024 tokens (1.1-2.0x
                             torch's mm there)
 CausalLM heads              with ``labels``: ``ff.linear_cross_entropy`` on the hidden states
-                            (the logits are not materialized and not returned, as Liger-Kernel)
+                            (the logits are not materialized and not returned, as Liger-Kernel);
+                            Mixtral's form adds the router's load-balancing loss when asked
+                            (integrations/hf_lm_loss.py)
 ==========================  =====================================================================
 
 How: each module's class is swapped (``module.__class__``) for a subclass of it, same name,
@@ -75,6 +79,9 @@ from ..ops.dropout import dropout
 from ..ops.embedding import embedding
 from ..ops.ffn import ffn
 from ..ops.linear import linear
+from . import hf_moe
+from .hf_lm_loss import CausalLMLoss as _CausalLMLoss
+from .hf_lm_loss import MoECausalLMLoss as _MoECausalLMLoss
 from .hf_mlp_forms import activation_name as _activation
 from .hf_mlp_forms import convert_mlp_by_form, mlp_candidate, model_ffn, model_swiglu_ffn
 from .hf_mlp_forms import same_dtype as _same_dtype
@@ -401,38 +408,8 @@ def _convert_t5_attention(m: nn.Module) -> Optional[str]:
     return None
 
 
-# ---- the LM head and its loss ---------------------------------------------------------------------
-class _CausalLMLoss:
-    """With labels: the decoder's hidden states into ff.linear_cross_entropy (the logits of the
-    shifted targets, chunked); without: the original forward (logits, generation)."""
-    _ff_what = "ff.linear_cross_entropy with labels"
-
-    def forward(self, *args, labels=None, **kwargs):
-        from .. import linear_cross_entropy
-        if labels is None or args or kwargs.get("return_dict") is False:
-            return super().forward(*args, labels=labels, **kwargs)
-        kwargs.pop("logits_to_keep", None)
-        num_items = kwargs.pop("num_items_in_batch", None)
-        outputs = getattr(self, self.base_model_prefix)(**kwargs)
-        hidden = outputs.last_hidden_state
-        head = self.get_output_embeddings()
-        target = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].to(hidden.device)
-        softcap = self._ff_softcap
-        if num_items is None:
-            loss = linear_cross_entropy(hidden, head.weight, target, head.bias, softcap=softcap)
-        else:
-            loss = linear_cross_entropy(hidden, head.weight, target, head.bias, softcap=softcap,
-                                        reduction="sum") / num_items
-        out = {"loss": loss, "logits": None, "hidden_states": outputs.hidden_states,
-               "attentions": outputs.attentions}
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-        for name in ("cache", "past_key_values"):  # the cache's field (renamed in transformers 5)
-            if name in CausalLMOutputWithPast.__dataclass_fields__:
-                out[name] = getattr(outputs, name, None)
-        return CausalLMOutputWithPast(**out)
-
-
-def _convert_causal_lm(m: nn.Module, softcap_from_config: bool = True) -> Optional[str]:
+# ---- the LM head and its loss (the mixins: integrations/hf_lm_loss.py) ---------------------------
+def _convert_causal_lm(m: nn.Module, softcap_from_config: bool = True, mixin: type = _CausalLMLoss) -> Optional[str]:
     """softcap_from_config: the family's forward caps the logits by the config's
     final_logit_softcapping (Gemma 2/3); a forward in Llama's form does not, whatever its
     config holds."""
@@ -440,12 +417,18 @@ def _convert_causal_lm(m: nn.Module, softcap_from_config: bool = True) -> Option
     if not isinstance(head, nn.Linear) or not hasattr(m, getattr(m, "base_model_prefix", "")):
         return "no nn.Linear LM head over a base model"
     m._ff_softcap = getattr(m.config, "final_logit_softcapping", None) if softcap_from_config else None
-    _swap(m, _CausalLMLoss)
+    _swap(m, mixin)
     return None
 
 
 def _convert_llama_form_lm(m: nn.Module) -> Optional[str]:
     return _convert_causal_lm(m, softcap_from_config=False)
+
+
+def _convert_moe_form_lm(m: nn.Module) -> Optional[str]:
+    """Mixtral's CausalLM form (Qwen2/3-MoE, OLMoE, PhiMoE, MiniMax, ...): the router's
+    load-balancing loss added when asked for."""
+    return _convert_causal_lm(m, softcap_from_config=False, mixin=_MoECausalLMLoss)
 
 
 # ---- the table -------------------------------------------------------------------------------------
@@ -517,6 +500,7 @@ def _forms() -> dict:
     from transformers.models.gemma import modeling_gemma
     from transformers.models.gemma2 import modeling_gemma2
     from transformers.models.llama import modeling_llama as llama
+    from transformers.models.mixtral import modeling_mixtral
     from transformers.models.siglip import modeling_siglip as siglip
     return {
         **seq2seq_forms(code_form, _swap),
@@ -530,6 +514,7 @@ def _forms() -> dict:
         code_form(llama.LlamaDecoderLayer.forward): lambda m: _swap(m, _PreNormDecoderLayer),
         code_form(modeling_gemma2.Gemma2DecoderLayer.forward): lambda m: _swap(m, _SandwichDecoderLayer),
         code_form(llama.LlamaForCausalLM.forward): _convert_llama_form_lm,
+        code_form(modeling_mixtral.MixtralForCausalLM.forward): _convert_moe_form_lm,
     }
 
 
@@ -566,13 +551,22 @@ def convert_transformers(model: nn.Module, replaced: list, left: list, loss: boo
     ff_hf.register()
     model.set_attn_implementation(ff_hf.NAME)
     replaced.append(("", type(model).__name__, f"attention: attn_implementation={ff_hf.NAME!r}"))
+    experts = []
     for path, m in model.named_modules():
+        if hf_moe.is_experts(m):
+            why = hf_moe.convert_experts(m)
+            if why:
+                left.append((path, type(m).__name__, why))
+            else:
+                experts.append(m)
+                replaced.append((path, type(m).__name__, "ff.moe_ffn (experts_implementation='fastformer')"))
+            continue
         if getattr(type(m), "_fastformer_original", None) is not None:
             continue  # converted already
         convert: Optional[Callable] = _CONVERTERS.get(_key(m)) or _converter_by_form(type(m))
         if convert is None and mlp_candidate(m):
             convert = _convert_mlp_by_form
-        if convert is None or (not loss and convert in (_convert_causal_lm, _convert_llama_form_lm)):
+        if convert is None or (not loss and convert in (_convert_causal_lm, _convert_llama_form_lm, _convert_moe_form_lm)):
             continue
         name = type(m).__name__
         why = convert(m)  # the module's hooks keep firing: it is the same object
@@ -581,6 +575,7 @@ def convert_transformers(model: nn.Module, replaced: list, left: list, loss: boo
                 left.append((path, name, why))
         else:
             replaced.append((path, name, type(m).__mro__[1]._ff_what))
+    hf_moe.select(experts)
 
 
 __all__ = ["convert_transformers", "is_transformers_model"]

@@ -1,0 +1,119 @@
+"""Mixture-of-experts blocks of Hugging Face models on ``ff.moe_ffn``.
+
+transformers (5.x) writes the routed experts of Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3,
+GLM-4-MoE, Granite-MoE, ... as one module holding stacked weights (``gate_up_proj`` (E, 2F, D),
+``down_proj`` (E, D, F)) whose forward(hidden_states, top_k_index, top_k_weights) is chosen by
+``config._experts_implementation`` among the functions registered in its ``ExpertsInterface``
+(``@use_experts_implementation``). :func:`register` adds :func:`experts_forward` there as
+``"fastformer"``; ``ff.convert`` selects it for every experts module it takes
+(:func:`convert_experts`) and names the others, with the reason, in its report.
+
+Taken: gated experts with the gate and up rows concatenated (stored either way round: the
+transposed (E, D, 2F) layout is read through views), with or without biases, transformers'
+default gate (``act_fn(gate) * up``) and an activation of the fused kernels. Not taken: experts
+without a gate, interleaved gate / up rows, a custom ``_apply_gate`` (gpt-oss's clamped SwiGLU),
+a norm after each expert. A call the kernels do not take (activations in another dtype than the
+weights, expert parallelism's sentinel ids, tracing by torch.compile, where the loop over experts
+would break the graph) runs the implementation the module had before conversion.
+
+Against transformers' default on CPU (``grouped_mm``), a Mixtral-style block (8 experts of
+1024 -> 3584, top 2, 1024 tokens) on the 2-core AMX Xeon: see benchmarks/RESULTS.md (Whole
+models, mixture of experts).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..ops.moe import moe_ffn
+from .hf_mlp_forms import activation_name
+
+NAME = "fastformer"
+_FALLBACK_ATTR = "_ff_experts_fallback"
+
+
+def is_experts(m: nn.Module) -> bool:
+    """m is a transformers experts module with a selectable implementation."""
+    return (hasattr(m, "has_gate") and hasattr(m, "is_concatenated") and hasattr(m, "is_transposed")
+            and hasattr(m, "config") and getattr(type(m).forward, "__wrapped__", None) is not None)
+
+
+def why_not(m: nn.Module) -> Optional[str]:
+    """Why ff.moe_ffn cannot run m's experts, or None."""
+    from transformers.integrations.moe import _default_apply_gate
+    if not m.has_gate:
+        return "experts without a gate projection (up_proj only): ff.moe_ffn runs gated experts"
+    if not m.is_concatenated:
+        return "gate and up rows interleaved: ff.moe_ffn reads them concatenated [gate; up]"
+    if getattr(m, "has_post_expert_norm", False):
+        return "a norm after each expert: not in ff.moe_ffn"
+    if getattr(type(m), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
+        return f"{type(m).__name__}._apply_gate is not act(gate) * up (e.g. gpt-oss's clamped SwiGLU)"
+    if activation_name(getattr(m, "act_fn", None)) is None:
+        return f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused kernel"
+    return None
+
+
+def _weights(m: nn.Module):
+    """(w_gate_up (E, 2F, D), w_down (E, D, F), b_gate_up, b_down) as ff.moe_ffn reads them."""
+    w_gu, w_d = m.gate_up_proj, m.down_proj
+    if m.is_transposed:  # stored (E, D, 2F) and (E, F, D)
+        w_gu, w_d = w_gu.transpose(1, 2), w_d.transpose(1, 2)
+    if not m.has_bias:
+        return w_gu, w_d, None, None
+    return w_gu, w_d, m.gate_up_proj_bias, m.down_proj_bias
+
+
+def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The ExpertsInterface function "fastformer": ff.moe_ffn, or the module's previous
+    implementation for a call it does not take (see the module docstring)."""
+    w_gu, w_d, b_gu, b_d = _weights(self)
+    if (getattr(self, "_ff_activation", None) is None or getattr(self, "_is_expert_parallel", False)
+            or torch.compiler.is_compiling() or hidden_states.dtype != w_gu.dtype
+            or hidden_states.dim() != 2):
+        return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
+    return moe_ffn(hidden_states, top_k_index, top_k_weights, w_gu, w_d, b_gu, b_d,
+                   activation=self._ff_activation)
+
+
+def _fallback(m: nn.Module):
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    original = type(m).forward.__wrapped__
+    name = getattr(m, _FALLBACK_ATTR, "eager")
+    if name in (None, "eager", NAME):
+        return original
+    return ALL_EXPERTS_FUNCTIONS.get_interface(name, original)
+
+
+def register() -> None:
+    """Add experts_forward to transformers' ExpertsInterface as "fastformer"."""
+    from transformers.integrations.moe import ExpertsInterface
+    ExpertsInterface.register(NAME, experts_forward)
+
+
+def convert_experts(m: nn.Module) -> Optional[str]:
+    """Prepare m for "fastformer": record the implementation its config names now (its fallback,
+    also for a module ff.moe_ffn cannot run, whose config another module may switch) and its
+    activation; the reason when ff.moe_ffn cannot run m. :func:`select` then switches the configs."""
+    current = m.config._experts_implementation
+    if current != NAME:
+        setattr(m, _FALLBACK_ATTR, current)
+    why = why_not(m)
+    if why is None:
+        m._ff_activation = activation_name(m.act_fn)
+    return why
+
+
+def select(converted: list) -> None:
+    """Name "fastformer" in the configs of the experts modules convert_experts took."""
+    if not converted:
+        return
+    register()
+    for m in converted:
+        m.config._experts_implementation = NAME
+
+
+__all__ = ["NAME", "convert_experts", "experts_forward", "is_experts", "register", "select", "why_not"]

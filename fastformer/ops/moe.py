@@ -1,0 +1,273 @@
+"""``ff.moe_ffn``: the experts of a mixture-of-experts layer (Mixtral, Qwen-MoE, OLMoE, DeepSeek,
+...), each a gated FFN, forward and backward, grouped by expert.
+
+    out[n] = sum_j  w[n, j] * down_e( act(gate_e(x[n])) * up_e(x[n]) ),   e = ids[n, j]
+
+with expert e's weights the slices of three stacked tensors, Hugging Face's layout:
+w_gate_up (E, 2F, D) = [gate rows; up rows], w_down (E, D, F), optional biases (E, 2F), (E, D).
+
+Algorithm. The N * k (token, slot) pairs are sorted by expert (a stable sort: equal ids keep
+their order); for each expert with rows, its gathered rows xs (n_e, D) run the expert's GEMMs:
+  gu = xs w_gate_up[e]^T (+ b)        one GEMM for gate and up, (n_e, 2F), kept for the backward
+  h  = act(gu[:, :F]) * gu[:, F:]     one elementwise pass (the FFN's, ffn_elementwise.cpp on CPU)
+  ys = h w_down[e]^T (+ b)            (n_e, D)
+then each pair's ys times its weight goes back to its slot, and the k slots of a token are summed
+(in the promoted dtype, as transformers' grouped_mm experts do; deterministic: no atomics, no
+index_add). The backward recomputes h from gu (with the activation's gradient in the same pass on
+CPU) and writes each expert's weight gradients straight into its slice of one (E, ...) buffer:
+autograd's own route for ``w[e]`` (what an eager loop over experts records) makes a zero-filled
+full-size gradient per expert touched. Memory saved for the backward: gu (S, 2F) and ys (S, D)
+for the routing weights' gradient, S = N * k; never h.
+
+Calls with no autograd and few rows per expert (decode steps) take ops/linear.py's few-row kernel
+for both projections: the step's time is reading the chosen experts' weights.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _checks, _ext
+from ..reference import ffn as ref_ffn
+from ._opdef import owned, rowwise
+from .linear import linear, weight_grad, weight_grad_kernel_takes
+
+_ACT_CODE = {name: code for code, name in enumerate(ref_ffn.ACTIVATIONS)}
+
+
+def _cpu_kernels(t: Tensor) -> bool:
+    """The FFN's elementwise kernels (ffn_elementwise.cpp) take these rows."""
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) and _ext.C is not None
+
+
+def _gated(gu: Tensor, F_: int, code: int) -> Tensor:
+    """h = act(gate) * up for gu = [gate | up] (rows, 2F)."""
+    gate, up = gu[:, :F_], gu[:, F_:]
+    if _cpu_kernels(gu):
+        return _ext.C.ffn_act_fwd(gate, up, code, False, 0.0, None)
+    acc = ref_ffn.acc_dtype(gu.dtype)
+    return (ref_ffn.activation(gate.to(acc), code) * up.to(acc)).to(gu.dtype)
+
+
+def _gated_grads(dh: Tensor, gu: Tensor, F_: int, code: int):
+    """(d_gate, d_up, h), each (rows, F), from dh (rows, F) and gu = [gate | up]; on CPU one pass
+    (h written over dh)."""
+    gate, up = gu[:, :F_], gu[:, F_:]
+    if _cpu_kernels(gu):
+        d_gate, d_up, h = _ext.C.ffn_act_bwd(dh, gate, up, code, True, 0.0, None)
+        return d_gate, d_up, h
+    acc = ref_ffn.acc_dtype(gu.dtype)
+    g, u, d = gate.to(acc), up.to(acc), dh.to(acc)
+    act = ref_ffn.activation(g, code)
+    return ((d * u * ref_ffn.activation_grad(g, code)).to(gu.dtype), (d * act).to(gu.dtype),
+            (act * u).to(gu.dtype))
+
+
+def _addmm(a: Tensor, w: Tensor, b: Optional[Tensor], out: Tensor) -> Tensor:
+    """out = a w^T (+ b): torch's GEMM writing its rows of a buffer."""
+    if b is not None:
+        return torch.addmm(b, a, w.t(), out=out)
+    return torch.mm(a, w.t(), out=out)
+
+
+class _Routing:
+    """The (token, slot) pairs sorted by expert: `order` (S,) pair indices, `token` (S,) their
+    tokens, `spans` [(expert, start, end)] of the experts with rows."""
+
+    def __init__(self, ids: Tensor, n_experts: int):
+        flat = ids.reshape(-1)
+        self.k = ids.shape[1]
+        self.order = torch.argsort(flat, stable=True)
+        self.token = torch.div(self.order, self.k, rounding_mode="floor")
+        counts = torch.bincount(flat, minlength=n_experts).tolist()
+        self.spans, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                self.spans.append((e, start, start + n))
+            start += n
+
+    def combine(self, rows: Tensor, n_tokens: int) -> Tensor:
+        """(S, C) rows in sorted order -> (N, C): each pair back to its slot, slots summed."""
+        pairs = torch.empty_like(rows)
+        pairs[self.order] = rows
+        return pairs.view(n_tokens, self.k, rows.shape[1]).sum(1)
+
+
+def _experts_fwd(x, r: _Routing, w_gate_up, b_gate_up, w_down, b_down, code: int, keep_gu: bool):
+    """ys (S, D) in sorted order, and gu (S, 2F) when keep_gu."""
+    F_ = w_down.shape[2]
+    xs = x.index_select(0, r.token)
+    S = xs.shape[0]
+    ys = x.new_empty((S, x.shape[1]))
+    gu_all = x.new_empty((S, 2 * F_)) if keep_gu else None
+    few_rows = not keep_gu and not torch.is_grad_enabled()
+    for e, lo, hi in r.spans:
+        bg = None if b_gate_up is None else b_gate_up[e]
+        bd = None if b_down is None else b_down[e]
+        if few_rows and hi - lo <= 8:
+            # decode: the few-row kernel reads the expert's weights (ops/linear.py)
+            ys[lo:hi] = linear(_gated(linear(xs[lo:hi], w_gate_up[e], bg), F_, code), w_down[e], bd)
+            continue
+        gu = _addmm(xs[lo:hi], w_gate_up[e], bg, gu_all[lo:hi] if keep_gu else None)
+        _addmm(_gated(gu, F_, code), w_down[e], bd, ys[lo:hi])
+    return ys, gu_all
+
+
+class _MoEFFN(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code):
+        r = _Routing(ids, w_gate_up.shape[0])
+        ys, gu = _experts_fwd(x, r, w_gate_up, b_gate_up, w_down, b_down, code, keep_gu=True)
+        w_sorted = weights.reshape(-1)[r.order]
+        out = r.combine(ys * w_sorted[:, None], x.shape[0]).to(x.dtype)
+        ctx.save_for_backward(x, weights, w_gate_up, w_down, gu, ys if weights.requires_grad else None)
+        ctx.routing, ctx.code = r, code
+        ctx.has_bias = (b_gate_up is not None, b_down is not None)
+        return owned(out)
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, weights, w_gate_up, w_down, gu, ys = ctx.saved_tensors
+        r, code = ctx.routing, ctx.code
+        need_x, _, need_w, need_wgu, need_wd, need_bgu, need_bd, _ = ctx.needs_input_grad
+        F_ = w_down.shape[2]
+        d_out = rowwise(d_out)
+        w_sorted = weights.reshape(-1)[r.order]
+        d_pairs = d_out.index_select(0, r.token)                       # (S, D), sorted
+        d_weights = None
+        if need_w:
+            acc = ref_ffn.acc_dtype(x.dtype)
+            d_w_sorted = (d_pairs.to(ys.dtype) * ys).sum(1, dtype=acc)
+            d_weights = torch.empty_like(w_sorted, dtype=acc)
+            d_weights[r.order] = d_w_sorted
+            d_weights = d_weights.view(weights.shape).to(weights.dtype)
+        dys = (d_pairs * w_sorted[:, None]).to(x.dtype)                 # d ys
+        xs = x.index_select(0, r.token)
+        dxs = torch.empty_like(xs) if need_x else None
+        dw_gu = _expert_grad_buffer(w_gate_up, r) if need_wgu else None
+        dw_d = _expert_grad_buffer(w_down, r) if need_wd else None
+        db_gu = x.new_zeros((w_gate_up.shape[0], 2 * F_), dtype=w_gate_up.dtype) if need_bgu else None
+        db_d = x.new_zeros((w_down.shape[0], w_down.shape[1]), dtype=w_down.dtype) if need_bd else None
+        for e, lo, hi in r.spans:
+            dy, x_e = dys[lo:hi], xs[lo:hi]
+            dh = dy @ w_down[e]                                         # (n, F)
+            d_gate, d_up, h = _gated_grads(dh, gu[lo:hi], F_, code)
+            del dh
+            if need_wd:
+                _weight_grad_into(dw_d[e], dy, h)
+            if need_bd:
+                db_d[e] = dy.sum(0)
+            del h
+            # gate and up halves as two GEMMs each (no (n, 2F) copy of their gradients)
+            if need_wgu:
+                _weight_grad_into(dw_gu[e, :F_], d_gate, x_e)
+                _weight_grad_into(dw_gu[e, F_:], d_up, x_e)
+            if need_bgu:
+                db_gu[e, :F_], db_gu[e, F_:] = d_gate.sum(0), d_up.sum(0)
+            if need_x:
+                torch.mm(d_gate, w_gate_up[e, :F_], out=dxs[lo:hi])
+                dxs[lo:hi].addmm_(d_up, w_gate_up[e, F_:])
+        dx = r.combine(dxs, x.shape[0]).to(x.dtype) if need_x else None
+        return dx, None, d_weights, dw_gu, dw_d, db_gu, db_d, None
+
+
+def _expert_grad_buffer(w: Tensor, r: _Routing) -> Tensor:
+    """The (E, ...) gradient of stacked expert weights: the slices of experts without rows are
+    zero, the others are written whole by _weight_grad_into."""
+    buf = torch.empty_like(w, memory_format=torch.contiguous_format)
+    used = torch.zeros(w.shape[0], dtype=torch.bool)
+    for e, _, _ in r.spans:
+        used[e] = True
+    if not bool(used.all()):
+        buf[~used.to(w.device)] = 0
+    return buf
+
+
+def _weight_grad_into(out: Tensor, dy: Tensor, x: Tensor) -> None:
+    """out = dy^T x (an expert's (out, in) weight gradient): weight_grad.cpp where it takes the
+    call (bf16 on AMX), else torch's GEMM writing the slice."""
+    if weight_grad_kernel_takes(dy, x):
+        out.copy_(weight_grad(dy, x))
+    else:
+        torch.mm(dy.t(), x, out=out)
+
+
+def _check(fn, x, ids, weights, w_gate_up, w_down, b_gate_up, b_down) -> None:
+    _checks.tensor(fn, "x", x, dims=(2,))
+    _checks.tensor(fn, "w_gate_up", w_gate_up, dims=(3,))
+    _checks.tensor(fn, "w_down", w_down, dims=(3,))
+    _checks.tensor(fn, "b_gate_up", b_gate_up, dims=(2,), optional=True)
+    _checks.tensor(fn, "b_down", b_down, dims=(2,), optional=True)
+    _checks.tensor(fn, "expert_weights", weights, dims=(2,))
+    if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        got = ids.dtype if isinstance(ids, Tensor) else type(ids).__name__
+        raise TypeError(f"{fn}: `expert_ids` must be an int64 or int32 tensor, got {got}")
+    _checks.same_device(fn, "x", x, expert_ids=ids, expert_weights=weights, w_gate_up=w_gate_up,
+                        w_down=w_down, b_gate_up=b_gate_up, b_down=b_down)
+    _checks.same_dtype(fn, "x", x, w_gate_up=w_gate_up, w_down=w_down)
+    N, D = x.shape
+    E, F2, Dg = w_gate_up.shape
+    if Dg != D or F2 % 2:
+        raise ValueError(f"{fn}: `w_gate_up` must be (E, 2F, D) with D = {D} (x's last dim), the gate "
+                         f"rows then the up rows; got {tuple(w_gate_up.shape)}")
+    if tuple(w_down.shape) != (E, D, F2 // 2):
+        raise ValueError(f"{fn}: `w_down` must be (E, D, F) = {(E, D, F2 // 2)} to match `w_gate_up` "
+                         f"{tuple(w_gate_up.shape)}; got {tuple(w_down.shape)}")
+    for name, b, want in (("b_gate_up", b_gate_up, (E, F2)), ("b_down", b_down, (E, D))):
+        if b is not None and tuple(b.shape) != want:
+            raise ValueError(f"{fn}: `{name}` must have shape {want}, got {tuple(b.shape)}")
+    if ids.dim() != 2 or ids.shape[0] != N:
+        raise ValueError(f"{fn}: `expert_ids` must be (N, k) with N = {N} rows of x, got {tuple(ids.shape)}")
+    if tuple(weights.shape) != tuple(ids.shape):
+        raise ValueError(f"{fn}: `expert_weights` must have `expert_ids`'s shape {tuple(ids.shape)}, "
+                         f"got {tuple(weights.shape)}")
+    if ids.numel() and not torch.compiler.is_compiling():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= E:
+            raise ValueError(f"{fn}: `expert_ids` must be in [0, {E}) (E = w_gate_up.shape[0]), got "
+                             f"values in [{lo}, {hi}]")
+
+
+def _activation_code(fn: str, activation) -> int:
+    if activation not in _ACT_CODE:
+        raise ValueError(f"{fn}: `activation` must be one of {', '.join(ref_ffn.ACTIVATIONS)}, got {activation!r}")
+    return _ACT_CODE[activation]
+
+
+def moe_ffn(x: Tensor, expert_ids: Tensor, expert_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
+            b_gate_up: Optional[Tensor] = None, b_down: Optional[Tensor] = None, *,
+            activation: str = "silu") -> Tensor:
+    """The routed experts of a mixture-of-experts layer, each a gated FFN (SwiGLU with "silu",
+    GeGLU with "gelu" / "gelu_tanh"), grouped by expert.
+
+    Args:
+        x: (N, D) token rows.
+        expert_ids: (N, k) int64 / int32: the experts each token is routed to, in [0, E).
+        expert_weights: (N, k): each routed expert's weight (the router's top-k probabilities);
+            may require grad.
+        w_gate_up: (E, 2F, D): expert e's gate projection (rows 0..F) and up projection (rows
+            F..2F), Hugging Face's concatenated layout. w_down: (E, D, F).
+        b_gate_up: (E, 2F); b_down: (E, D); optional.
+        activation: "silu", "gelu", "gelu_tanh", "relu" or "quick_gelu", applied to the gate.
+
+    Returns:
+        (N, D) in x's dtype: ``sum_j expert_weights[n, j] * expert_{expert_ids[n, j]}(x[n])``,
+        the slots summed in the promoted dtype of the experts' outputs and the weights.
+        Gradients for x, expert_weights and every weight and bias.
+    """
+    fn = "moe_ffn"
+    code = _activation_code(fn, activation)
+    _check(fn, x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down)
+    tensors = (x, expert_weights, w_gate_up, w_down, b_gate_up, b_down)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return _MoEFFN.apply(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, code)
+    r = _Routing(expert_ids, w_gate_up.shape[0])
+    ys, _ = _experts_fwd(x, r, w_gate_up, b_gate_up, w_down, b_down, code, keep_gu=False)
+    w_sorted = expert_weights.reshape(-1)[r.order]
+    return r.combine(ys * w_sorted[:, None], x.shape[0]).to(x.dtype)
+
+
+__all__ = ["moe_ffn"]

@@ -1,0 +1,260 @@
+"""ff.moe_ffn (ops/moe.py) against an fp64 loop over tokens and experts, and Hugging Face
+mixture-of-experts models converted to it (integrations/hf_moe.py) against eager."""
+import copy
+
+import pytest
+import torch
+from oracle import GRAD_FACTOR, LOWP_ATOL, OUT_FACTOR, assert_lowp_rule, assert_model_matches, check
+from test_convert_hf import _run
+
+import fastformer as ff
+from fastformer.reference import ffn as ref_ffn
+
+transformers = pytest.importorskip("transformers")
+
+F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
+
+
+def _oracle(x, ids, weights, w_gu, w_d, b_gu, b_d, activation):
+    """sum_j w[n, j] * down_e(act(gate_e(x[n])) * up_e(x[n])), token by token, in x's dtype."""
+    code = ref_ffn.ACTIVATIONS.index(activation)
+    F_ = w_d.shape[2]
+    rows = []
+    for n in range(x.shape[0]):
+        acc = torch.zeros_like(x[n])
+        for j in range(ids.shape[1]):
+            e = int(ids[n, j])
+            gu = w_gu[e] @ x[n] + (0 if b_gu is None else b_gu[e])
+            h = ref_ffn.activation(gu[:F_], code) * gu[F_:]
+            acc = acc + weights[n, j] * (w_d[e] @ h + (0 if b_d is None else b_d[e]))
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+def _case(N, D, F_, E, k, bias, dtype, seed=0, skip_expert=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g).to(dtype)
+    choices = [e for e in range(E) if e != skip_expert]
+    ids = torch.stack([torch.tensor(choices)[torch.randperm(len(choices), generator=g)[:k]] for _ in range(N)])
+    weights = torch.rand(N, k, generator=g).to(dtype)
+    w_gu = (torch.randn(E, 2 * F_, D, generator=g) / D ** 0.5).to(dtype)
+    w_d = (torch.randn(E, D, F_, generator=g) / F_ ** 0.5).to(dtype)
+    b_gu = (0.1 * torch.randn(E, 2 * F_, generator=g)).to(dtype) if bias else None
+    b_d = (0.1 * torch.randn(E, D, generator=g)).to(dtype) if bias else None
+    return x, ids, weights, w_gu, w_d, b_gu, b_d
+
+
+def _grads(fn, tensors, g):
+    leaves = [t.detach().requires_grad_() if t is not None else None for t in tensors]
+    out = fn(*leaves)
+    present = [t for t in leaves if t is not None]
+    return out.detach(), torch.autograd.grad(out, present, g)
+
+
+SHAPES = [  # N, D, F, E, k, bias, activation
+    (17, 40, 37, 4, 2, False, "silu"),
+    (113, 72, 64, 8, 2, True, "gelu_tanh"),
+    (1, 80, 48, 3, 1, False, "silu"),
+    (5, 128, 24, 6, 3, True, "gelu"),
+    (9, 32, 16, 3, 2, False, "relu"),
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
+def test_moe_ffn_matches_oracle_with_every_gradient(dtype, shape):
+    N, D, F_, E, k, bias, act = shape
+    x, ids, weights, w_gu, w_d, b_gu, b_d = _case(N, D, F_, E, k, bias, dtype, skip_expert=E - 1)
+    tensors = (x, weights, w_gu, w_d, b_gu, b_d)
+    g = torch.randn(N, D, generator=torch.Generator().manual_seed(5))
+
+    def ours(x, w, gu, d, bgu, bd):
+        return ff.moe_ffn(x, ids, w, gu, d, bgu, bd, activation=act)
+
+    def oracle(x, w, gu, d, bgu, bd):
+        return _oracle(x, ids, w, gu, d, bgu, bd, act)
+
+    out, grads = _grads(ours, tensors, g.to(dtype))
+    ref, ref_grads = _grads(oracle, [None if t is None else t.double() for t in tensors], g.double())
+    low, low_grads = _grads(oracle, tensors, g.to(dtype)) if dtype == BF16 else (None, [None] * 6)
+    check("out", out, ref, low)
+    names = [n for n, t in zip(("dx", "d_weights", "d_w_gate_up", "d_w_down", "d_b_gate_up", "d_b_down"), tensors)
+             if t is not None]
+    for name, a, r, lo in zip(names, grads, ref_grads, low_grads):
+        check(name, a, r, lo, grad=True, atol=2e-5 * max(1.0, r.abs().max().item()))
+    # the expert no token chose gets zero weight gradients
+    assert not grads[2][E - 1].any() and not grads[3][E - 1].any()
+    with torch.no_grad():
+        check("out (no grad)", ours(*tensors), ref, low)
+
+
+def test_moe_ffn_fp64_gradcheck():
+    x, ids, weights, w_gu, w_d, b_gu, b_d = _case(6, 8, 5, 3, 2, True, F64, seed=3)
+    tensors = [t.requires_grad_() for t in (x, weights, w_gu, w_d, b_gu, b_d)]
+    assert torch.autograd.gradcheck(lambda *t: ff.moe_ffn(t[0], ids, *t[1:], activation="gelu"), tensors)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_moe_ffn_decode_rows_without_autograd(rows):
+    """Decode steps (few rows per expert, no autograd) run both projections on the few-row
+    linear kernel: the same answer."""
+    x, ids, weights, w_gu, w_d, _, _ = _case(rows, 256, 96, 4, 2, False, F32, seed=rows)
+    with torch.no_grad():
+        out = ff.moe_ffn(x, ids, weights, w_gu, w_d)
+    ref = _oracle(x.double(), ids, weights.double(), w_gu.double(), w_d.double(), None, None, "silu")
+    check("out", out, ref)
+
+
+def test_moe_ffn_reads_transposed_weights():
+    """Weights stored (E, D, 2F) / (E, F, D) (transformers' is_transposed) passed as views."""
+    x, ids, weights, w_gu, w_d, _, _ = _case(11, 48, 20, 3, 2, False, F32, seed=4)
+    w_gu_t = w_gu.transpose(1, 2).contiguous().requires_grad_()
+    w_d_t = w_d.transpose(1, 2).contiguous().requires_grad_()
+    out = ff.moe_ffn(x, ids, weights, w_gu_t.transpose(1, 2), w_d_t.transpose(1, 2))
+    out.sum().backward()
+    w_gu64, w_d64 = w_gu.double().requires_grad_(), w_d.double().requires_grad_()
+    ref = _oracle(x.double(), ids, weights.double(), w_gu64, w_d64, None, None, "silu")
+    ref.sum().backward()
+    check("out", out, ref)
+    check("d_w_gate_up", w_gu_t.grad, w_gu64.grad.transpose(1, 2), grad=True)
+    check("d_w_down", w_d_t.grad, w_d64.grad.transpose(1, 2), grad=True)
+
+
+def test_moe_ffn_bad_input():
+    x, ids, weights, w_gu, w_d, _, _ = _case(4, 16, 8, 3, 2, False, F32)
+    with pytest.raises(ValueError, match="`expert_ids` must be in \\[0, 3\\)"):
+        ff.moe_ffn(x, ids + 1, weights, w_gu, w_d)
+    with pytest.raises(TypeError, match="`expert_ids` must be an int64 or int32 tensor"):
+        ff.moe_ffn(x, ids.float(), weights, w_gu, w_d)
+    with pytest.raises(ValueError, match="`w_down` must be \\(E, D, F\\)"):
+        ff.moe_ffn(x, ids, weights, w_gu, w_d[:, :, :4])
+    with pytest.raises(ValueError, match="`w_gate_up` must be \\(E, 2F, D\\)"):
+        ff.moe_ffn(x, ids, weights, w_gu[:, :, :8], w_d)
+    with pytest.raises(ValueError, match="`expert_weights` must have `expert_ids`'s shape"):
+        ff.moe_ffn(x, ids, weights[:, :1], w_gu, w_d)
+    with pytest.raises(ValueError, match="`activation` must be one of"):
+        ff.moe_ffn(x, ids, weights, w_gu, w_d, activation="tanh")
+    with pytest.raises(TypeError, match="`w_down`"):
+        ff.moe_ffn(x, ids, weights, w_gu, w_d.double())
+
+
+# ---- Hugging Face mixture-of-experts models --------------------------------------------------
+_SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, vocab_size=97, max_position_embeddings=64,
+              num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+              shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+              tie_word_embeddings=False)
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+
+
+def _moe_model(name, dtype=F32):
+    config = transformers.AutoConfig.for_model(name)
+    for key, value in _SMALL.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.to(dtype)
+
+
+def _ids():
+    return dict(input_ids=torch.randint(2, 97, (2, 13), generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_moe_family_converted_and_matching_fp32(name):
+    model = _moe_model(name)
+    report = ff.convert(model, inplace=False)
+    assert sum("ff.moe_ffn" in kind for _, _, kind in report.replaced) == 2, str(report)
+    out, grads = _run(report.model, _ids())
+    ref, ref_grads = _run(copy.deepcopy(model).double(), _ids())
+    assert_model_matches(out, grads, ref, ref_grads)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_family_bf16_error_ratio(name):
+    model = _moe_model(name)
+    ours = ff.convert(copy.deepcopy(model).to(BF16)).model
+    out, grads = _run(ours, _ids())
+    low, low_grads = _run(copy.deepcopy(model).to(BF16), _ids())
+    ref, ref_grads = _run(copy.deepcopy(model).double(), _ids())
+    atol = LOWP_ATOL[BF16]
+    assert_lowp_rule("out", out, ref, low, OUT_FACTOR, atol * ref.abs().max().item())
+    for n, r in ref_grads.items():
+        if r is not None:
+            assert_lowp_rule(f"d{n}", grads[n], r, low_grads[n], GRAD_FACTOR, atol * r.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_moe_family_greedy_generate_matches_eager(name):
+    model = _moe_model(name).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    ours = ff.convert(model, inplace=False).model
+    ids = _ids()["input_ids"][:, :9]
+    kw = dict(input_ids=ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(ours.generate(**kw), model.generate(**kw))
+
+
+def test_moe_experts_left_with_reason_and_fallbacks():
+    """gpt-oss's experts (interleaved gate / up, clamped SwiGLU) stay on their implementation,
+    named in the report; a converted module's call in another dtype runs its previous one."""
+    config = transformers.AutoConfig.for_model("gpt_oss")
+    for key, value in _SMALL.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    report = ff.convert(model)
+    left = [why for _, typ, why in report.left if typ == "GptOssExperts"]
+    assert len(left) == 2 and all("interleaved" in why for why in left), str(report)
+    with torch.no_grad():
+        assert torch.isfinite(model(**_ids()).logits).all()
+
+    mixtral = _moe_model("mixtral")
+    ff.convert(mixtral)
+    experts = mixtral.model.layers[0].mlp.experts
+    assert mixtral.config._experts_implementation == "fastformer"
+    x = torch.randn(5, 64)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2], [0, 3], [3, 1]])
+    w = torch.rand(5, 2)
+    with torch.no_grad():
+        eager = type(experts).forward.__wrapped__(experts, x, ids, w)
+        fused = experts(x, ids, w)
+        experts._is_expert_parallel = True  # sentinel ids: the implementation it had ("eager")
+        fallback = experts(x, ids, w)
+    assert torch.equal(fallback, eager)
+    assert (fused - eager).abs().max().item() <= 1e-5 * eager.abs().max().item()
+    assert not torch.equal(fused, eager)  # the fused path did run
+
+
+@pytest.mark.parametrize("name", ["mixtral", "olmoe"])
+@pytest.mark.parametrize("router_loss", [False, True], ids=["lm_loss", "with_router_loss"])
+def test_moe_causal_lm_loss_on_linear_cross_entropy(name, router_loss):
+    """With labels, a converted MoE CausalLM (Mixtral's form) returns the loss of
+    ff.linear_cross_entropy (no logits), plus the router's load-balancing loss when asked for:
+    the loss and every parameter's gradient match eager's in fp64."""
+    model = _moe_model(name)
+    report = ff.convert(model, inplace=False)
+    assert any("linear_cross_entropy" in kind for _, _, kind in report.replaced), str(report)
+    inputs = dict(_ids(), output_router_logits=router_loss)
+    inputs["labels"] = inputs["input_ids"].clone()
+    inputs["labels"][0, :3] = -100
+
+    def loss_and_grads(m):
+        out = m(**inputs)
+        params = dict((n, p) for n, p in m.named_parameters() if p.requires_grad)
+        grads = torch.autograd.grad(out.loss, list(params.values()), allow_unused=True)
+        return out, dict(zip(params, grads))
+
+    out, grads = loss_and_grads(report.model)
+    assert out.logits is None and (out.aux_loss is not None) == router_loss
+    ref, ref_grads = loss_and_grads(copy.deepcopy(model).double())
+    assert_model_matches(out.loss.reshape(1), grads, ref.loss.reshape(1), ref_grads)
