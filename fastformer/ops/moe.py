@@ -21,6 +21,9 @@ for the routing weights' gradient, S = N * k; never h.
 
 Calls with no autograd and few rows per expert (decode steps) take ops/linear.py's few-row kernel
 for both projections: the step's time is reading the chosen experts' weights.
+The experts' row counts are read on the host (the loop over experts), so under torch.compile a
+call breaks the graph; ff.convert's Hugging Face models run transformers' own implementation
+there (integrations/hf_moe.py).
 """
 from __future__ import annotations
 
