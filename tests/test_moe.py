@@ -170,6 +170,7 @@ def test_moe_family_converted_and_matching_fp32(name):
     model = _moe_model(name)
     report = ff.convert(model, inplace=False)
     assert sum("ff.moe_ffn" in kind for _, _, kind in report.replaced) == 2, str(report)
+    assert sum("residual add fused" in kind for _, _, kind in report.replaced) == 2, str(report)
     out, grads = _run(report.model, _ids())
     ref, ref_grads = _run(copy.deepcopy(model).double(), _ids())
     assert_model_matches(out, grads, ref, ref_grads)

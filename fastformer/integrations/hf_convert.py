@@ -515,6 +515,8 @@ def _forms() -> dict:
         code_form(modeling_gemma2.Gemma2DecoderLayer.forward): lambda m: _swap(m, _SandwichDecoderLayer),
         code_form(llama.LlamaForCausalLM.forward): _convert_llama_form_lm,
         code_form(modeling_mixtral.MixtralForCausalLM.forward): _convert_moe_form_lm,
+        # Llama's layer but for the keywords it passes to self_attn (no use_cache): Mixtral, ...
+        code_form(modeling_mixtral.MixtralDecoderLayer.forward): lambda m: _swap(m, _PreNormDecoderLayer),
     }
 
 
