@@ -15,9 +15,9 @@ transformers = pytest.importorskip("transformers")
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 
 
-def _oracle(x, ids, weights, w_gu, w_d, b_gu, b_d, activation):
-    """sum_j w[n, j] * down_e(act(gate_e(x[n])) * up_e(x[n])), token by token, in x's dtype."""
-    code = ref_ffn.ACTIVATIONS.index(activation)
+def _oracle(x, ids, weights, w_gu, w_d, b_gu, b_d, activation, interleaved=False, alpha=1.702, limit=7.0):
+    """sum_j w[n, j] * down_e(h_e(x[n])), token by token, in x's dtype; h = act(gate) * up, or
+    gpt-oss's clamped SwiGLU (up + 1) * g * sigmoid(alpha g) with g, up clamped at the limit."""
     F_ = w_d.shape[2]
     rows = []
     for n in range(x.shape[0]):
@@ -25,7 +25,12 @@ def _oracle(x, ids, weights, w_gu, w_d, b_gu, b_d, activation):
         for j in range(ids.shape[1]):
             e = int(ids[n, j])
             gu = w_gu[e] @ x[n] + (0 if b_gu is None else b_gu[e])
-            h = ref_ffn.activation(gu[:F_], code) * gu[F_:]
+            gate, up = (gu[0::2], gu[1::2]) if interleaved else (gu[:F_], gu[F_:])
+            if activation == "clamped_swiglu":
+                g, u = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+                h = (u + 1) * g * torch.sigmoid(alpha * g)
+            else:
+                h = ref_ffn.activation(gate, ref_ffn.ACTIVATIONS.index(activation)) * up
             acc = acc + weights[n, j] * (w_d[e] @ h + (0 if b_d is None else b_d[e]))
         rows.append(acc)
     return torch.stack(rows)
@@ -88,6 +93,32 @@ def test_moe_ffn_matches_oracle_with_every_gradient(dtype, shape):
         check("out (no grad)", ours(*tensors), ref, low)
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("activation", ["silu", "clamped_swiglu"])
+def test_moe_ffn_interleaved_and_clamped_swiglu(dtype, activation):
+    """Gate and up rows interleaved (gpt-oss's layout) and gpt-oss's clamped SwiGLU, its clamps
+    active (limit 1.5 on projections of scale ~2): output and every gradient."""
+    x, ids, weights, w_gu, w_d, b_gu, b_d = _case(29, 48, 40, 4, 2, True, dtype, seed=7)
+    w_gu = (w_gu.float() * 2).to(dtype)
+    kw = dict(activation=activation, interleaved=True, swiglu_alpha=1.702, swiglu_limit=1.5)
+    tensors = (x, weights, w_gu, w_d, b_gu, b_d)
+    g = torch.randn(29, 48, generator=torch.Generator().manual_seed(5))
+
+    def ours(*t):
+        return ff.moe_ffn(t[0], ids, *t[1:], **kw)
+
+    def oracle(*t):
+        return _oracle(t[0], ids, *t[1:], activation, interleaved=True, alpha=1.702, limit=1.5)
+
+    out, grads = _grads(ours, tensors, g.to(dtype))
+    ref, ref_grads = _grads(oracle, [t.double() for t in tensors], g.double())
+    low, low_grads = _grads(oracle, tensors, g.to(dtype)) if dtype == BF16 else (None, [None] * 6)
+    check("out", out, ref, low)
+    for name, a, r, lo in zip(("dx", "d_weights", "d_w_gate_up", "d_w_down", "d_b_gate_up", "d_b_down"),
+                              grads, ref_grads, low_grads):
+        check(name, a, r, lo, grad=True, atol=2e-5 * max(1.0, r.abs().max().item()))
+
+
 def test_moe_ffn_fp64_gradcheck():
     x, ids, weights, w_gu, w_d, b_gu, b_d = _case(6, 8, 5, 3, 2, True, F64, seed=3)
     tensors = [t.requires_grad_() for t in (x, weights, w_gu, w_d, b_gu, b_d)]
@@ -134,6 +165,10 @@ def test_moe_ffn_bad_input():
         ff.moe_ffn(x, ids, weights[:, :1], w_gu, w_d)
     with pytest.raises(ValueError, match="`activation` must be one of"):
         ff.moe_ffn(x, ids, weights, w_gu, w_d, activation="tanh")
+    with pytest.raises(ValueError, match="`swiglu_limit`"):
+        ff.moe_ffn(x, ids, weights, w_gu, w_d, activation="clamped_swiglu", swiglu_limit=0.0)
+    with pytest.raises(TypeError, match="`interleaved` must be a bool"):
+        ff.moe_ffn(x, ids, weights, w_gu, w_d, interleaved=1)
     with pytest.raises(TypeError, match="`w_down`"):
         ff.moe_ffn(x, ids, weights, w_gu, w_d.double())
 
@@ -203,21 +238,52 @@ def test_moe_family_greedy_generate_matches_eager(name):
         assert torch.equal(ours.generate(**kw), model.generate(**kw))
 
 
-def test_moe_experts_left_with_reason_and_fallbacks():
-    """gpt-oss's experts (interleaved gate / up, clamped SwiGLU) stay on their implementation,
-    named in the report; a converted module's call in another dtype runs its previous one."""
+def _gpt_oss(dtype=F32):
     config = transformers.AutoConfig.for_model("gpt_oss")
     for key, value in _SMALL.items():
         if hasattr(config, key):
             setattr(config, key, value)
-    config.layer_types = ["full_attention"] * config.num_hidden_layers
+    config.layer_types = ["sliding_attention", "full_attention"]
+    config.sliding_window = 8
+    config.swiglu_limit = 0.5  # the clamps active at this size
+    config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    report = ff.convert(model)
-    left = [why for _, typ, why in report.left if typ == "GptOssExperts"]
-    assert len(left) == 2 and all("interleaved" in why for why in left), str(report)
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
     with torch.no_grad():
-        assert torch.isfinite(model(**_ids()).logits).all()
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model.to(dtype)
+
+
+def test_gpt_oss_experts_converted_and_matching_fp32():
+    """gpt-oss: interleaved gate / up rows stored transposed, biases, its clamped SwiGLU, attention
+    sinks and alternating sliding-window layers: the converted model's logits and every parameter's
+    gradient against eager's in fp64."""
+    model = _gpt_oss()
+    report = ff.convert(model, inplace=False)
+    assert sum("ff.moe_ffn" in kind for _, _, kind in report.replaced) == 2, str(report)
+    out, grads = _run(report.model, _ids())
+    ref, ref_grads = _run(copy.deepcopy(model).double(), _ids())
+    assert_model_matches(out, grads, ref, ref_grads)
+
+
+def test_moe_experts_left_with_reason_and_fallbacks():
+    """Experts with another _apply_gate stay on their implementation, named in the report; a
+    converted module's call that the kernels do not take (expert parallelism) runs the
+    implementation it had."""
+    model = _gpt_oss()
+
+    def other_gate(self, gate_up):
+        return gate_up[..., ::2] * gate_up[..., 1::2]
+    experts_cls = type(model.model.layers[0].mlp.experts)
+    original = experts_cls._apply_gate
+    experts_cls._apply_gate = other_gate
+    try:
+        report = ff.convert(model)
+    finally:
+        experts_cls._apply_gate = original
+    left = [why for _, typ, why in report.left if typ == "GptOssExperts"]
+    assert len(left) == 2 and all("_apply_gate" in why for why in left), str(report)
 
     mixtral = _moe_model("mixtral")
     ff.convert(mixtral)
@@ -259,3 +325,34 @@ def test_moe_causal_lm_loss_on_linear_cross_entropy(name, router_loss):
     assert out.logits is None and (out.aux_loss is not None) == router_loss
     ref, ref_grads = loss_and_grads(copy.deepcopy(model).double())
     assert_model_matches(out.loss.reshape(1), grads, ref.loss.reshape(1), ref_grads)
+
+
+def test_gpt_oss_greedy_generate_matches_eager():
+    model = _gpt_oss().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    ours = ff.convert(model, inplace=False).model
+    kw = dict(input_ids=_ids()["input_ids"][:, :9], max_new_tokens=10, min_new_tokens=10, do_sample=False,
+              pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(ours.generate(**kw), model.generate(**kw))
+
+
+def test_moe_model_compiles_fullgraph():
+    """Under torch.compile the converted experts run the implementation the model had
+    (transformers' grouped_mm, traceable): fullgraph forward and backward, matching eager."""
+    torch._dynamo.reset()
+    config = transformers.AutoConfig.for_model("mixtral")
+    for key, value in _SMALL.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)  # default experts: grouped_mm
+    assert model.config._experts_implementation == "grouped_mm"
+    ours = ff.convert(model, inplace=False).model
+    out, grads = _run(torch.compile(ours, fullgraph=True), _ids())
+    reference = copy.deepcopy(model).double()
+    reference.set_experts_implementation("eager")
+    ref, ref_grads = _run(reference, _ids())
+    assert_model_matches(out, grads, ref, ref_grads, "_orig_mod.")

@@ -19,8 +19,9 @@ the same in other families  where a module's forward is Llama's (Gemma's, BERT's
                             for instruction (``_forms``): Mixtral, Qwen-MoE, DeepSeek-V3,
                             Phi-3, SmolLM3, OLMoE, GLM, XLM-RoBERTa, ELECTRA, ...
 experts modules of MoE      ``ff.moe_ffn`` as transformers' experts implementation "fastformer"
-models (Mixtral, Qwen-MoE,  (integrations/hf_moe.py): gated experts with [gate; up] rows and
-OLMoE, DeepSeek, ...)       the default gate; others named in the report with the reason
+models (Mixtral, Qwen-MoE,  (integrations/hf_moe.py): gated experts, gate / up rows concatenated
+OLMoE, gpt-oss, DeepSeek,   or interleaved, the default gate or gpt-oss's clamped SwiGLU; others
+...)                        named in the report with the reason
 CLIP / SigLIP encoder       layer_norm2 with its residual add (by form: the vision towers
 layers                      written from them too)
 BART / Whisper-form         every residual add fused into its LayerNorm, fc1 -> act -> fc2 on

@@ -1,6 +1,6 @@
 """Mixture-of-experts blocks of Hugging Face models on ``ff.moe_ffn``.
 
-transformers (5.x) writes the routed experts of Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3,
+transformers (5.x) writes the routed experts of Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss, DeepSeek-V2/V3,
 GLM-4-MoE, Granite-MoE, ... as one module holding stacked weights (``gate_up_proj`` (E, 2F, D),
 ``down_proj`` (E, D, F)) whose forward(hidden_states, top_k_index, top_k_weights) is chosen by
 ``config._experts_implementation`` among the functions registered in its ``ExpertsInterface``
@@ -8,11 +8,11 @@ GLM-4-MoE, Granite-MoE, ... as one module holding stacked weights (``gate_up_pro
 ``"fastformer"``; ``ff.convert`` selects it for every experts module it takes
 (:func:`convert_experts`) and names the others, with the reason, in its report.
 
-Taken: gated experts with the gate and up rows concatenated (stored either way round: the
-transposed (E, D, 2F) layout is read through views), with or without biases, transformers'
-default gate (``act_fn(gate) * up``) and an activation of the fused kernels. Not taken: experts
-without a gate, interleaved gate / up rows, a custom ``_apply_gate`` (gpt-oss's clamped SwiGLU),
-a norm after each expert. A call the kernels do not take (activations in another dtype than the
+Taken: gated experts, gate and up rows concatenated or interleaved, stored either way round (the
+transposed (E, D, 2F) layout is read through views), with or without biases, with transformers'
+default gate (``act_fn(gate) * up``, an activation of the fused kernels) or gpt-oss's clamped
+SwiGLU (its ``_apply_gate``, recognized by its bytecode). Not taken: experts without a gate, any
+other ``_apply_gate``, a norm after each expert. A call the kernels do not take (activations in another dtype than the
 weights, expert parallelism's sentinel ids, tracing by torch.compile, where the loop over experts
 would break the graph) runs the implementation the module had before conversion.
 
@@ -22,6 +22,7 @@ models, mixture of experts).
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -29,6 +30,7 @@ from torch import nn
 
 from ..ops.moe import moe_ffn
 from .hf_mlp_forms import activation_name
+from .hf_rotary import code_form
 
 NAME = "fastformer"
 _FALLBACK_ATTR = "_ff_experts_fallback"
@@ -40,20 +42,35 @@ def is_experts(m: nn.Module) -> bool:
             and hasattr(m, "config") and getattr(type(m).forward, "__wrapped__", None) is not None)
 
 
-def why_not(m: nn.Module) -> Optional[str]:
-    """Why ff.moe_ffn cannot run m's experts, or None."""
+def _gate_of(m: nn.Module):
+    """(ff.moe_ffn's gate keywords for m, None) or (None, why not)."""
     from transformers.integrations.moe import _default_apply_gate
     if not m.has_gate:
-        return "experts without a gate projection (up_proj only): ff.moe_ffn runs gated experts"
-    if not m.is_concatenated:
-        return "gate and up rows interleaved: ff.moe_ffn reads them concatenated [gate; up]"
+        return None, "experts without a gate projection (up_proj only): ff.moe_ffn runs gated experts"
     if getattr(m, "has_post_expert_norm", False):
-        return "a norm after each expert: not in ff.moe_ffn"
-    if getattr(type(m), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        return f"{type(m).__name__}._apply_gate is not act(gate) * up (e.g. gpt-oss's clamped SwiGLU)"
-    if activation_name(getattr(m, "act_fn", None)) is None:
-        return f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused kernel"
-    return None
+        return None, "a norm after each expert: not in ff.moe_ffn"
+    interleaved = not m.is_concatenated
+    apply_gate = getattr(type(m), "_apply_gate", _default_apply_gate)
+    if apply_gate is not _default_apply_gate:
+        if code_form(apply_gate) != _clamped_swiglu_form():
+            return None, f"{type(m).__name__}._apply_gate is neither act(gate) * up nor gpt-oss's clamped SwiGLU"
+        return dict(activation="clamped_swiglu", interleaved=True, swiglu_alpha=float(m.alpha),
+                    swiglu_limit=float(m.limit)), None
+    act = activation_name(getattr(m, "act_fn", None))
+    if act is None:
+        return None, f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused kernel"
+    return dict(activation=act, interleaved=interleaved), None
+
+
+@functools.lru_cache(maxsize=None)
+def _clamped_swiglu_form():
+    from transformers.models.gpt_oss import modeling_gpt_oss
+    return code_form(modeling_gpt_oss.GptOssExperts._apply_gate)
+
+
+def why_not(m: nn.Module) -> Optional[str]:
+    """Why ff.moe_ffn cannot run m's experts, or None."""
+    return _gate_of(m)[1]
 
 
 def _weights(m: nn.Module):
@@ -71,12 +88,11 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     """The ExpertsInterface function "fastformer": ff.moe_ffn, or the module's previous
     implementation for a call it does not take (see the module docstring)."""
     w_gu, w_d, b_gu, b_d = _weights(self)
-    if (getattr(self, "_ff_activation", None) is None or getattr(self, "_is_expert_parallel", False)
+    if (getattr(self, "_ff_gate", None) is None or getattr(self, "_is_expert_parallel", False)
             or torch.compiler.is_compiling() or hidden_states.dtype != w_gu.dtype
             or hidden_states.dim() != 2):
         return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
-    return moe_ffn(hidden_states, top_k_index, top_k_weights, w_gu, w_d, b_gu, b_d,
-                   activation=self._ff_activation)
+    return moe_ffn(hidden_states, top_k_index, top_k_weights, w_gu, w_d, b_gu, b_d, **self._ff_gate)
 
 
 def _fallback(m: nn.Module):
@@ -101,9 +117,9 @@ def convert_experts(m: nn.Module) -> Optional[str]:
     current = m.config._experts_implementation
     if current != NAME:
         setattr(m, _FALLBACK_ATTR, current)
-    why = why_not(m)
-    if why is None:
-        m._ff_activation = activation_name(m.act_fn)
+    gate, why = _gate_of(m)
+    if gate is not None:
+        m._ff_gate = gate
     return why
 
 

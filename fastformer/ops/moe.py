@@ -1,5 +1,5 @@
-"""``ff.moe_ffn``: the experts of a mixture-of-experts layer (Mixtral, Qwen-MoE, OLMoE, DeepSeek,
-...), each a gated FFN, forward and backward, grouped by expert.
+"""``ff.moe_ffn``: the experts of a mixture-of-experts layer (Mixtral, Qwen-MoE, OLMoE, gpt-oss,
+DeepSeek, ...), each a gated FFN, forward and backward, grouped by expert.
 
     out[n] = sum_j  w[n, j] * down_e( act(gate_e(x[n])) * up_e(x[n]) ),   e = ids[n, j]
 
@@ -9,7 +9,9 @@ w_gate_up (E, 2F, D) = [gate rows; up rows], w_down (E, D, F), optional biases (
 Algorithm. The N * k (token, slot) pairs are sorted by expert (a stable sort: equal ids keep
 their order); for each expert with rows, its gathered rows xs (n_e, D) run the expert's GEMMs:
   gu = xs w_gate_up[e]^T (+ b)        one GEMM for gate and up, (n_e, 2F), kept for the backward
-  h  = act(gu[:, :F]) * gu[:, F:]     one elementwise pass (the FFN's, ffn_elementwise.cpp on CPU)
+  h  = act(gu[:, :F]) * gu[:, F:]     one elementwise pass (the FFN's, ffn_elementwise.cpp on CPU;
+                                      gpt-oss's clamped SwiGLU and interleaved gate / up columns
+                                      in torch ops, _Gate)
   ys = h w_down[e]^T (+ b)            (n_e, D)
 then each pair's ys times its weight goes back to its slot, and the k slots of a token are summed
 (in the promoted dtype, as transformers' grouped_mm experts do; deterministic: no atomics, no
@@ -38,6 +40,7 @@ from ._opdef import owned, rowwise
 from .linear import linear, weight_grad, weight_grad_kernel_takes
 
 _ACT_CODE = {name: code for code, name in enumerate(ref_ffn.ACTIVATIONS)}
+CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss's gate (moe_ffn only)
 
 
 def _cpu_kernels(t: Tensor) -> bool:
@@ -45,27 +48,61 @@ def _cpu_kernels(t: Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype in (torch.float32, torch.bfloat16) and _ext.C is not None
 
 
-def _gated(gu: Tensor, F_: int, code: int) -> Tensor:
-    """h = act(gate) * up for gu = [gate | up] (rows, 2F)."""
-    gate, up = gu[:, :F_], gu[:, F_:]
-    if _cpu_kernels(gu):
-        return _ext.C.ffn_act_fwd(gate, up, code, False, 0.0, None)
-    acc = ref_ffn.acc_dtype(gu.dtype)
-    return (ref_ffn.activation(gate.to(acc), code) * up.to(acc)).to(gu.dtype)
+class _Gate:
+    """How an expert's [gate | up] projection (rows, 2F) becomes h (rows, F), and its gradient.
+    act(gate) * up for the FFN's activations (concatenated halves on CPU: the FFN's fused pass,
+    ffn_elementwise.cpp); gpt-oss's clamped SwiGLU, and gate / up columns interleaved, in torch
+    ops at fp32 (fp64 for fp64)."""
 
+    def __init__(self, activation: str, interleaved: bool, alpha: float, limit: Optional[float]):
+        self.clamped = activation == CLAMPED_SWIGLU
+        self.code = None if self.clamped else _ACT_CODE[activation]
+        self.interleaved, self.alpha, self.limit = interleaved, alpha, limit
 
-def _gated_grads(dh: Tensor, gu: Tensor, F_: int, code: int):
-    """(d_gate, d_up, h), each (rows, F), from dh (rows, F) and gu = [gate | up]; on CPU one pass
-    (h written over dh)."""
-    gate, up = gu[:, :F_], gu[:, F_:]
-    if _cpu_kernels(gu):
-        d_gate, d_up, h = _ext.C.ffn_act_bwd(dh, gate, up, code, True, 0.0, None)
-        return d_gate, d_up, h
-    acc = ref_ffn.acc_dtype(gu.dtype)
-    g, u, d = gate.to(acc), up.to(acc), dh.to(acc)
-    act = ref_ffn.activation(g, code)
-    return ((d * u * ref_ffn.activation_grad(g, code)).to(gu.dtype), (d * act).to(gu.dtype),
-            (act * u).to(gu.dtype))
+    def _split(self, gu: Tensor):
+        if self.interleaved:
+            return gu[:, 0::2], gu[:, 1::2]
+        F_ = gu.shape[1] // 2
+        return gu[:, :F_], gu[:, F_:]
+
+    def _kernel(self, gu: Tensor) -> bool:
+        return not (self.clamped or self.interleaved) and _cpu_kernels(gu)
+
+    def _math(self, g: Tensor, u: Tensor):
+        """(h, d h / d gate, d h / d up) in the accumulation dtype."""
+        if not self.clamped:
+            act = ref_ffn.activation(g, self.code)
+            return act * u, u * ref_ffn.activation_grad(g, self.code), act
+        L, a = self.limit, self.alpha
+        gc, uc = g.clamp(max=L), u.clamp(min=-L, max=L)
+        sig = torch.sigmoid(a * gc)
+        glu = gc * sig
+        d_g = (uc + 1) * (sig + a * glu * (1 - sig)) * (g <= L)   # clamp passes the gradient
+        d_u = glu * ((u >= -L) & (u <= L))                          # where the bounds hold
+        return (uc + 1) * glu, d_g, d_u
+
+    def fwd(self, gu: Tensor) -> Tensor:
+        gate, up = self._split(gu)
+        if self._kernel(gu):
+            return _ext.C.ffn_act_fwd(gate, up, self.code, False, 0.0, None)
+        acc = ref_ffn.acc_dtype(gu.dtype)
+        return self._math(gate.to(acc), up.to(acc))[0].to(gu.dtype)
+
+    def bwd(self, dh: Tensor, gu: Tensor):
+        """(parts, h): parts [(rows of w_gate_up[e], their gradient (n, rows))]: the two halves
+        (no (n, 2F) copy of their gradients), or all rows interleaved as one (n, 2F)."""
+        F_ = gu.shape[1] // 2
+        gate, up = self._split(gu)
+        if self._kernel(gu):  # one pass; h written over dh
+            d_gate, d_up, h = _ext.C.ffn_act_bwd(dh, gate, up, self.code, True, 0.0, None)
+            return [(slice(0, F_), d_gate), (slice(F_, 2 * F_), d_up)], h
+        acc = ref_ffn.acc_dtype(gu.dtype)
+        d = dh.to(acc)
+        h, dg, du = self._math(gate.to(acc), up.to(acc))
+        h = h.to(gu.dtype)
+        if not self.interleaved:
+            return [(slice(0, F_), (d * dg).to(gu.dtype)), (slice(F_, 2 * F_), (d * du).to(gu.dtype))], h
+        return [(slice(None), torch.stack((d * dg, d * du), -1).reshape(gu.shape).to(gu.dtype))], h
 
 
 def _addmm(a: Tensor, w: Tensor, b: Optional[Tensor], out: Tensor) -> Tensor:
@@ -98,7 +135,7 @@ class _Routing:
         return pairs.view(n_tokens, self.k, rows.shape[1]).sum(1)
 
 
-def _experts_fwd(x, r: _Routing, w_gate_up, b_gate_up, w_down, b_down, code: int, keep_gu: bool):
+def _experts_fwd(x, r: _Routing, w_gate_up, b_gate_up, w_down, b_down, gate: _Gate, keep_gu: bool):
     """ys (S, D) in sorted order, and gu (S, 2F) when keep_gu."""
     F_ = w_down.shape[2]
     xs = x.index_select(0, r.token)
@@ -111,30 +148,29 @@ def _experts_fwd(x, r: _Routing, w_gate_up, b_gate_up, w_down, b_down, code: int
         bd = None if b_down is None else b_down[e]
         if few_rows and hi - lo <= 8:
             # decode: the few-row kernel reads the expert's weights (ops/linear.py)
-            ys[lo:hi] = linear(_gated(linear(xs[lo:hi], w_gate_up[e], bg), F_, code), w_down[e], bd)
+            ys[lo:hi] = linear(gate.fwd(linear(xs[lo:hi], w_gate_up[e], bg)), w_down[e], bd)
             continue
         gu = _addmm(xs[lo:hi], w_gate_up[e], bg, gu_all[lo:hi] if keep_gu else None)
-        _addmm(_gated(gu, F_, code), w_down[e], bd, ys[lo:hi])
+        _addmm(gate.fwd(gu), w_down[e], bd, ys[lo:hi])
     return ys, gu_all
 
 
 class _MoEFFN(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, code):
+    def forward(ctx, x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, gate):
         r = _Routing(ids, w_gate_up.shape[0])
-        ys, gu = _experts_fwd(x, r, w_gate_up, b_gate_up, w_down, b_down, code, keep_gu=True)
+        ys, gu = _experts_fwd(x, r, w_gate_up, b_gate_up, w_down, b_down, gate, keep_gu=True)
         w_sorted = weights.reshape(-1)[r.order]
         out = r.combine(ys * w_sorted[:, None], x.shape[0]).to(x.dtype)
         ctx.save_for_backward(x, weights, w_gate_up, w_down, gu, ys if weights.requires_grad else None)
-        ctx.routing, ctx.code = r, code
-        ctx.has_bias = (b_gate_up is not None, b_down is not None)
+        ctx.routing, ctx.gate = r, gate
         return owned(out)
 
     @staticmethod
     def backward(ctx, d_out):
         x, weights, w_gate_up, w_down, gu, ys = ctx.saved_tensors
-        r, code = ctx.routing, ctx.code
+        r, gate = ctx.routing, ctx.gate
         need_x, _, need_w, need_wgu, need_wd, need_bgu, need_bd, _ = ctx.needs_input_grad
         F_ = w_down.shape[2]
         d_out = rowwise(d_out)
@@ -157,22 +193,22 @@ class _MoEFFN(torch.autograd.Function):
         for e, lo, hi in r.spans:
             dy, x_e = dys[lo:hi], xs[lo:hi]
             dh = dy @ w_down[e]                                         # (n, F)
-            d_gate, d_up, h = _gated_grads(dh, gu[lo:hi], F_, code)
+            parts, h = gate.bwd(dh, gu[lo:hi])
             del dh
             if need_wd:
                 _weight_grad_into(dw_d[e], dy, h)
             if need_bd:
                 db_d[e] = dy.sum(0)
             del h
-            # gate and up halves as two GEMMs each (no (n, 2F) copy of their gradients)
-            if need_wgu:
-                _weight_grad_into(dw_gu[e, :F_], d_gate, x_e)
-                _weight_grad_into(dw_gu[e, F_:], d_up, x_e)
-            if need_bgu:
-                db_gu[e, :F_], db_gu[e, F_:] = d_gate.sum(0), d_up.sum(0)
-            if need_x:
-                torch.mm(d_gate, w_gate_up[e, :F_], out=dxs[lo:hi])
-                dxs[lo:hi].addmm_(d_up, w_gate_up[e, F_:])
+            for i, (rows, d) in enumerate(parts):
+                if need_wgu:
+                    _weight_grad_into(dw_gu[e, rows], d, x_e)
+                if need_bgu:
+                    db_gu[e, rows] = d.sum(0)
+                if need_x and i == 0:
+                    torch.mm(d, w_gate_up[e, rows], out=dxs[lo:hi])
+                elif need_x:
+                    dxs[lo:hi].addmm_(d, w_gate_up[e, rows])
         dx = r.combine(dxs, x.shape[0]).to(x.dtype) if need_x else None
         return dx, None, d_weights, dw_gu, dw_d, db_gu, db_d, None
 
@@ -234,15 +270,20 @@ def _check(fn, x, ids, weights, w_gate_up, w_down, b_gate_up, b_down) -> None:
                              f"values in [{lo}, {hi}]")
 
 
-def _activation_code(fn: str, activation) -> int:
-    if activation not in _ACT_CODE:
-        raise ValueError(f"{fn}: `activation` must be one of {', '.join(ref_ffn.ACTIVATIONS)}, got {activation!r}")
-    return _ACT_CODE[activation]
+def _gate(fn: str, activation, interleaved, alpha, limit) -> _Gate:
+    names = (*ref_ffn.ACTIVATIONS, CLAMPED_SWIGLU)
+    if activation not in names:
+        raise ValueError(f"{fn}: `activation` must be one of {', '.join(names)}, got {activation!r}")
+    _checks.flag(fn, "interleaved", interleaved)
+    alpha = _checks.number(fn, "swiglu_alpha", alpha, finite=True)
+    limit = _checks.number(fn, "swiglu_limit", limit, lo=0.0, lo_open=True, finite=True)
+    return _Gate(activation, interleaved, alpha, limit)
 
 
 def moe_ffn(x: Tensor, expert_ids: Tensor, expert_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
             b_gate_up: Optional[Tensor] = None, b_down: Optional[Tensor] = None, *,
-            activation: str = "silu") -> Tensor:
+            activation: str = "silu", interleaved: bool = False, swiglu_alpha: float = 1.702,
+            swiglu_limit: float = 7.0) -> Tensor:
     """The routed experts of a mixture-of-experts layer, each a gated FFN (SwiGLU with "silu",
     GeGLU with "gelu" / "gelu_tanh"), grouped by expert.
 
@@ -252,9 +293,14 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, expert_weights: Tensor, w_gate_up: Te
         expert_weights: (N, k): each routed expert's weight (the router's top-k probabilities);
             may require grad.
         w_gate_up: (E, 2F, D): expert e's gate projection (rows 0..F) and up projection (rows
-            F..2F), Hugging Face's concatenated layout. w_down: (E, D, F).
-        b_gate_up: (E, 2F); b_down: (E, D); optional.
-        activation: "silu", "gelu", "gelu_tanh", "relu" or "quick_gelu", applied to the gate.
+            F..2F), Hugging Face's concatenated layout; with ``interleaved=True`` gate and up rows
+            alternate (gate at even rows: gpt-oss). w_down: (E, D, F). Any strides (a transposed
+            view of weights stored (E, D, 2F) / (E, F, D) included).
+        b_gate_up: (E, 2F), in w_gate_up's row order; b_down: (E, D); optional.
+        activation: "silu", "gelu", "gelu_tanh", "relu" or "quick_gelu", applied to the gate
+            (h = act(gate) * up); or "clamped_swiglu", gpt-oss's: gate clamped above at
+            swiglu_limit, up to [-swiglu_limit, swiglu_limit], h = (up + 1) * gate *
+            sigmoid(swiglu_alpha * gate).
 
     Returns:
         (N, D) in x's dtype: ``sum_j expert_weights[n, j] * expert_{expert_ids[n, j]}(x[n])``,
@@ -262,13 +308,13 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, expert_weights: Tensor, w_gate_up: Te
         Gradients for x, expert_weights and every weight and bias.
     """
     fn = "moe_ffn"
-    code = _activation_code(fn, activation)
+    gate = _gate(fn, activation, interleaved, swiglu_alpha, swiglu_limit)
     _check(fn, x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down)
     tensors = (x, expert_weights, w_gate_up, w_down, b_gate_up, b_down)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return _MoEFFN.apply(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, code)
+        return _MoEFFN.apply(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, gate)
     r = _Routing(expert_ids, w_gate_up.shape[0])
-    ys, _ = _experts_fwd(x, r, w_gate_up, b_gate_up, w_down, b_down, code, keep_gu=False)
+    ys, _ = _experts_fwd(x, r, w_gate_up, b_gate_up, w_down, b_down, gate, keep_gu=False)
     w_sorted = expert_weights.reshape(-1)[r.order]
     return r.combine(ys * w_sorted[:, None], x.shape[0]).to(x.dtype)
 
