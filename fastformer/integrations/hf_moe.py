@@ -14,7 +14,8 @@ default gate (``act_fn(gate) * up``, an activation of the fused kernels) or gpt-
 SwiGLU (its ``_apply_gate``, recognized by its bytecode). Not taken: experts without a gate, any
 other ``_apply_gate``, a norm after each expert. A call the kernels do not take (activations in another dtype than the
 weights, expert parallelism's sentinel ids, tracing by torch.compile, where the loop over experts
-would break the graph) runs the implementation the module had before conversion.
+would break the graph, decode steps of experts stored transposed) runs the implementation the
+module had before conversion.
 
 Against transformers' default on CPU (``grouped_mm``), a Mixtral-style block (8 experts of
 1024 -> 3584, top 2, 1024 tokens) on the 2-core AMX Xeon: see benchmarks/RESULTS.md (Whole
@@ -90,9 +91,21 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     w_gu, w_d, b_gu, b_d = _weights(self)
     if (getattr(self, "_ff_gate", None) is None or getattr(self, "_is_expert_parallel", False)
             or torch.compiler.is_compiling() or hidden_states.dtype != w_gu.dtype
-            or hidden_states.dim() != 2):
+            or hidden_states.dim() != 2 or _transposed_decode(self, hidden_states)):
         return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
     return moe_ffn(hidden_states, top_k_index, top_k_weights, w_gu, w_d, b_gu, b_d, **self._ff_gate)
+
+
+# Decode steps (no autograd, up to this many tokens) of experts stored transposed ((E, D, 2F):
+# gpt-oss) run the previous implementation: torch's per-expert GEMV reads a (D, 2F) bf16 weight
+# at 13 GB/s (320 us for 1024 x 2048 on the 2-core Xeon; the few-row kernel reads (out, in) rows
+# at 30 GB/s but not this layout), and a gpt-oss-style token (16 experts of 1024 -> 1024, top 4)
+# took 2.80 ms on ff.moe_ffn against 2.29 on grouped_mm.
+TRANSPOSED_DECODE_TOKENS = 8
+
+
+def _transposed_decode(m: nn.Module, x: torch.Tensor) -> bool:
+    return m.is_transposed and x.shape[0] <= TRANSPOSED_DECODE_TOKENS and not torch.is_grad_enabled()
 
 
 def _fallback(m: nn.Module):

@@ -86,7 +86,13 @@ class _Gate:
         if self._kernel(gu):
             return _ext.C.ffn_act_fwd(gate, up, self.code, False, 0.0, None)
         acc = ref_ffn.acc_dtype(gu.dtype)
-        return self._math(gate.to(acc), up.to(acc))[0].to(gu.dtype)
+        if not self.clamped:
+            return (ref_ffn.activation(gate.to(acc), self.code) * up.to(acc)).to(gu.dtype)
+        # in place on fp32 copies: gpt-oss-style bf16 experts (16 of 1024 -> 1024, top 4, 1024
+        # tokens) forward 55.6 -> 39.7 ms with the gradient terms of _math left out and these passes
+        g = gate.to(acc, copy=True).clamp_(max=self.limit)
+        g.mul_(g.mul(self.alpha).sigmoid_())
+        return g.mul_(up.to(acc, copy=True).clamp_(min=-self.limit, max=self.limit).add_(1)).to(gu.dtype)
 
     def bwd(self, dh: Tensor, gu: Tensor):
         """(parts, h): parts [(rows of w_gate_up[e], their gradient (n, rows))]: the two halves
@@ -214,9 +220,12 @@ class _MoEFFN(torch.autograd.Function):
 
 
 def _expert_grad_buffer(w: Tensor, r: _Routing) -> Tensor:
-    """The (E, ...) gradient of stacked expert weights: the slices of experts without rows are
-    zero, the others are written whole by _weight_grad_into."""
-    buf = torch.empty_like(w, memory_format=torch.contiguous_format)
+    """The (E, ...) gradient of stacked expert weights, in w's layout (a transposed view of
+    weights stored (E, D, 2F) gets a buffer whose transpose is contiguous: the parameter's
+    gradient then needs no transposing copy, 127 ms for gpt-oss-style (16, 1024, 2048) bf16
+    experts on the 2-core Xeon); the slices of experts without rows are zero, the others are
+    written whole by _weight_grad_into."""
+    buf = torch.empty_like(w)
     used = torch.zeros(w.shape[0], dtype=torch.bool)
     for e, _, _ in r.spans:
         used[e] = True
@@ -227,8 +236,9 @@ def _expert_grad_buffer(w: Tensor, r: _Routing) -> Tensor:
 
 def _weight_grad_into(out: Tensor, dy: Tensor, x: Tensor) -> None:
     """out = dy^T x (an expert's (out, in) weight gradient): weight_grad.cpp where it takes the
-    call (bf16 on AMX), else torch's GEMM writing the slice."""
-    if weight_grad_kernel_takes(dy, x):
+    call (bf16 on AMX) and out is contiguous, else torch's GEMM writing the slice (a transposed
+    one too: torch computes out^T = x^T dy in place)."""
+    if out.is_contiguous() and weight_grad_kernel_takes(dy, x):
         out.copy_(weight_grad(dy, x))
     else:
         torch.mm(dy.t(), x, out=out)
