@@ -356,3 +356,24 @@ def test_moe_model_compiles_fullgraph():
     reference.set_experts_implementation("eager")
     ref, ref_grads = _run(reference, _ids())
     assert_model_matches(out, grads, ref, ref_grads, "_orig_mod.")
+
+
+def test_deepseek_v3_moe_layers_converted_and_matching_fp32():
+    """DeepSeek-V3's MoE layers (routed experts with group-limited routing, a shared expert) and
+    its multi-head latent attention: logits and every parameter's gradient against eager."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=97, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, first_k_dense_replace=0, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, n_group=2, topk_group=1, max_position_embeddings=64)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM._from_config(config, experts_implementation="eager")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    report = ff.convert(model, inplace=False)
+    assert sum("ff.moe_ffn" in kind for _, _, kind in report.replaced) == 2, str(report)
+    out, grads = _run(report.model, _ids())
+    ref, ref_grads = _run(copy.deepcopy(model).double(), _ids())
+    assert_model_matches(out, grads, ref, ref_grads)
