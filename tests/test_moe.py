@@ -178,7 +178,8 @@ _SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_att
               num_key_value_heads=2, head_dim=16, vocab_size=97, max_position_embeddings=64,
               num_local_experts=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
               shared_expert_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
-              tie_word_embeddings=False)
+              tie_word_embeddings=False, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0,
+              n_group=1, topk_group=1)
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 
 
@@ -209,6 +210,22 @@ def test_moe_family_converted_and_matching_fp32(name):
     out, grads = _run(report.model, _ids())
     ref, ref_grads = _run(copy.deepcopy(model).double(), _ids())
     assert_model_matches(out, grads, ref, ref_grads)
+
+
+@pytest.mark.parametrize("name", ["granitemoe", "glm4_moe", "minimax", "phimoe", "dots1", "hunyuan_v1_moe"])
+def test_more_moe_families_logits_and_loss_match_eager(name):
+    """Other families whose experts take the interface: both layers' experts on ff.moe_ffn, the
+    logits and (eval mode: PhiMoE's training routing is random) the LM loss match eager's."""
+    model = _moe_model(name).eval()
+    report = ff.convert(model, inplace=False)
+    assert sum("ff.moe_ffn" in kind for _, _, kind in report.replaced) == 2, str(report)
+    ref_model = copy.deepcopy(model).double()
+    with torch.no_grad():
+        out, ref = report.model(**_ids()).logits, ref_model(**_ids()).logits
+        loss = report.model(**_ids(), labels=_ids()["input_ids"]).loss
+        ref_loss = ref_model(**_ids(), labels=_ids()["input_ids"]).loss
+    assert (out.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
