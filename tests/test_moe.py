@@ -183,17 +183,23 @@ _SMALL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_att
 MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 
 
-def _moe_model(name, dtype=F32):
+def _moe_model(name, dtype=F32, experts="eager", noise=0.05, **config_values):
+    """A small random-weight `name` CausalLM (_SMALL, then config_values) on eager attention and
+    the `experts` implementation (None: transformers' default), its weights perturbed by `noise`."""
     config = transformers.AutoConfig.for_model(name)
     for key, value in _SMALL.items():
         if hasattr(config, key):
             setattr(config, key, value)
+    for key, value in config_values.items():
+        setattr(config, key, value)
     config._attn_implementation = "eager"
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    kw = {} if experts is None else dict(experts_implementation=experts)
+    model = transformers.AutoModelForCausalLM.from_config(config, **kw)
+    if noise:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * noise)
     return model.to(dtype)
 
 
@@ -256,20 +262,9 @@ def test_moe_family_greedy_generate_matches_eager(name):
 
 
 def _gpt_oss(dtype=F32):
-    config = transformers.AutoConfig.for_model("gpt_oss")
-    for key, value in _SMALL.items():
-        if hasattr(config, key):
-            setattr(config, key, value)
-    config.layer_types = ["sliding_attention", "full_attention"]
-    config.sliding_window = 8
-    config.swiglu_limit = 0.5  # the clamps active at this size
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model.to(dtype)
+    # the clamps active at this size (limit 0.5)
+    return _moe_model("gpt_oss", dtype, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                      swiglu_limit=0.5)
 
 
 def test_gpt_oss_experts_converted_and_matching_fp32():
@@ -360,12 +355,7 @@ def test_moe_model_compiles_fullgraph():
     """Under torch.compile the converted experts run the implementation the model had
     (transformers' grouped_mm, traceable): fullgraph forward and backward, matching eager."""
     torch._dynamo.reset()
-    config = transformers.AutoConfig.for_model("mixtral")
-    for key, value in _SMALL.items():
-        if hasattr(config, key):
-            setattr(config, key, value)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)  # default experts: grouped_mm
+    model = _moe_model("mixtral", experts=None, noise=0.0)  # default experts: grouped_mm
     assert model.config._experts_implementation == "grouped_mm"
     ours = ff.convert(model, inplace=False).model
     out, grads = _run(torch.compile(ours, fullgraph=True), _ids())

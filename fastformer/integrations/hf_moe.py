@@ -69,11 +69,6 @@ def _clamped_swiglu_form():
     return code_form(modeling_gpt_oss.GptOssExperts._apply_gate)
 
 
-def why_not(m: nn.Module) -> Optional[str]:
-    """Why ff.moe_ffn cannot run m's experts, or None."""
-    return _gate_of(m)[1]
-
-
 def _weights(m: nn.Module):
     """(w_gate_up (E, 2F, D), w_down (E, D, F), b_gate_up, b_down) as ff.moe_ffn reads them."""
     w_gu, w_d = m.gate_up_proj, m.down_proj
@@ -145,4 +140,4 @@ def select(converted: list) -> None:
         m.config._experts_implementation = NAME
 
 
-__all__ = ["NAME", "convert_experts", "experts_forward", "is_experts", "register", "select", "why_not"]
+__all__ = ["NAME", "convert_experts", "experts_forward", "is_experts", "register", "select"]

@@ -111,8 +111,8 @@ class _Gate:
         return [(slice(None), torch.stack((d * dg, d * du), -1).reshape(gu.shape).to(gu.dtype))], h
 
 
-def _addmm(a: Tensor, w: Tensor, b: Optional[Tensor], out: Tensor) -> Tensor:
-    """out = a w^T (+ b): torch's GEMM writing its rows of a buffer."""
+def _addmm(a: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor]) -> Tensor:
+    """a w^T (+ b) on torch's GEMM, written into `out` (rows of a buffer) when given."""
     if b is not None:
         return torch.addmm(b, a, w.t(), out=out)
     return torch.mm(a, w.t(), out=out)
