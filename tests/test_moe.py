@@ -15,23 +15,26 @@ transformers = pytest.importorskip("transformers")
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 
 
-def _oracle(x, ids, weights, w_gu, w_d, b_gu, b_d, activation, interleaved=False, alpha=1.702, limit=7.0):
+def _oracle(x, ids, weights, w_gu, w_d, b_gu, b_d, activation, interleaved=False, alpha=1.702, limit=7.0,
+            weights_on="output"):
     """sum_j w[n, j] * down_e(h_e(x[n])), token by token, in x's dtype; h = act(gate) * up, or
-    gpt-oss's clamped SwiGLU (up + 1) * g * sigmoid(alpha g) with g, up clamped at the limit."""
+    gpt-oss's clamped SwiGLU (up + 1) * g * sigmoid(alpha g) with g, up clamped at the limit.
+    weights_on="input": sum_j down_e(h_e(w[n, j] * x[n])) (Llama 4)."""
     F_ = w_d.shape[2]
     rows = []
     for n in range(x.shape[0]):
         acc = torch.zeros_like(x[n])
         for j in range(ids.shape[1]):
             e = int(ids[n, j])
-            gu = w_gu[e] @ x[n] + (0 if b_gu is None else b_gu[e])
+            x_in, w_out = (weights[n, j] * x[n], 1) if weights_on == "input" else (x[n], weights[n, j])
+            gu = w_gu[e] @ x_in + (0 if b_gu is None else b_gu[e])
             gate, up = (gu[0::2], gu[1::2]) if interleaved else (gu[:F_], gu[F_:])
             if activation == "clamped_swiglu":
                 g, u = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
                 h = (u + 1) * g * torch.sigmoid(alpha * g)
             else:
                 h = ref_ffn.activation(gate, ref_ffn.ACTIVATIONS.index(activation)) * up
-            acc = acc + weights[n, j] * (w_d[e] @ h + (0 if b_d is None else b_d[e]))
+            acc = acc + w_out * (w_d[e] @ h + (0 if b_d is None else b_d[e]))
         rows.append(acc)
     return torch.stack(rows)
 
@@ -65,6 +68,23 @@ SHAPES = [  # N, D, F, E, k, bias, activation
 ]
 
 
+_GRAD_NAMES = ("dx", "d_weights", "d_w_gate_up", "d_w_down", "d_b_gate_up", "d_b_down")
+
+
+def _check_against_oracle(ours, oracle, tensors, g, dtype):
+    """ours(*tensors) and every gradient against the fp64 oracle (bf16: the error-ratio rule
+    against the oracle run in bf16); returns (names, grads, ref, ref_grads, low, low_grads) of
+    the tensors present."""
+    out, grads = _grads(ours, tensors, g.to(dtype))
+    ref, ref_grads = _grads(oracle, [None if t is None else t.double() for t in tensors], g.double())
+    low, low_grads = _grads(oracle, tensors, g.to(dtype)) if dtype == BF16 else (None, [None] * 6)
+    check("out", out, ref, low)
+    names = [n for n, t in zip(_GRAD_NAMES, tensors) if t is not None]
+    for name, a, r, lo in zip(names, grads, ref_grads, low_grads):
+        check(name, a, r, lo, grad=True, atol=2e-5 * max(1.0, r.abs().max().item()))
+    return names, grads, ref, ref_grads, low, low_grads
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "-".join(map(str, s)))
 def test_moe_ffn_matches_oracle_with_every_gradient(dtype, shape):
@@ -79,14 +99,7 @@ def test_moe_ffn_matches_oracle_with_every_gradient(dtype, shape):
     def oracle(x, w, gu, d, bgu, bd):
         return _oracle(x, ids, w, gu, d, bgu, bd, act)
 
-    out, grads = _grads(ours, tensors, g.to(dtype))
-    ref, ref_grads = _grads(oracle, [None if t is None else t.double() for t in tensors], g.double())
-    low, low_grads = _grads(oracle, tensors, g.to(dtype)) if dtype == BF16 else (None, [None] * 6)
-    check("out", out, ref, low)
-    names = [n for n, t in zip(("dx", "d_weights", "d_w_gate_up", "d_w_down", "d_b_gate_up", "d_b_down"), tensors)
-             if t is not None]
-    for name, a, r, lo in zip(names, grads, ref_grads, low_grads):
-        check(name, a, r, lo, grad=True, atol=2e-5 * max(1.0, r.abs().max().item()))
+    names, grads, ref, ref_grads, low, low_grads = _check_against_oracle(ours, oracle, tensors, g, dtype)
     # the expert no token chose gets zero weight gradients
     assert not grads[2][E - 1].any() and not grads[3][E - 1].any()
     with torch.no_grad():
@@ -110,19 +123,67 @@ def test_moe_ffn_interleaved_and_clamped_swiglu(dtype, activation):
     def oracle(*t):
         return _oracle(t[0], ids, *t[1:], activation, interleaved=True, alpha=1.702, limit=1.5)
 
-    out, grads = _grads(ours, tensors, g.to(dtype))
-    ref, ref_grads = _grads(oracle, [t.double() for t in tensors], g.double())
-    low, low_grads = _grads(oracle, tensors, g.to(dtype)) if dtype == BF16 else (None, [None] * 6)
-    check("out", out, ref, low)
-    for name, a, r, lo in zip(("dx", "d_weights", "d_w_gate_up", "d_w_down", "d_b_gate_up", "d_b_down"),
-                              grads, ref_grads, low_grads):
-        check(name, a, r, lo, grad=True, atol=2e-5 * max(1.0, r.abs().max().item()))
+    _check_against_oracle(ours, oracle, tensors, g, dtype)
 
 
-def test_moe_ffn_fp64_gradcheck():
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("shape", [(17, 40, 37, 4, 1, False, "silu"), (113, 72, 64, 8, 2, True, "gelu")],
+                         ids=lambda s: "-".join(map(str, s)))
+def test_moe_ffn_weights_on_input(dtype, shape):
+    """Llama 4's form: each expert reads its routing weight times x (weights_on="input"); output
+    and every gradient, the routing weights' included, against the fp64 oracle."""
+    N, D, F_, E, k, bias, act = shape
+    x, ids, weights, w_gu, w_d, b_gu, b_d = _case(N, D, F_, E, k, bias, dtype, seed=3, skip_expert=0)
+    tensors = (x, weights, w_gu, w_d, b_gu, b_d)
+    g = torch.randn(N, D, generator=torch.Generator().manual_seed(5))
+
+    def ours(*t):
+        return ff.moe_ffn(t[0], ids, *t[1:], activation=act, weights_on="input")
+
+    def oracle(*t):
+        return _oracle(t[0], ids, *t[1:], act, weights_on="input")
+
+    names, grads, ref, ref_grads, low, low_grads = _check_against_oracle(ours, oracle, tensors, g, dtype)
+    assert not grads[2][0].any() and not grads[3][0].any()
+    # only x's or only the weights' gradient asked for
+    for i in (0, 1):
+        leaves = [None if t is None else t.detach().requires_grad_(j == i) for j, t in enumerate(tensors)]
+        (only,) = torch.autograd.grad(ours(*leaves), leaves[i], g.to(dtype))
+        check(names[i] + " alone", only, ref_grads[i], low_grads[i], grad=True,
+              atol=2e-5 * max(1.0, ref_grads[i].abs().max().item()))
+    with torch.no_grad():
+        check("out (no grad)", ours(*tensors), ref, low)
+
+
+@pytest.mark.parametrize("weights_on", ["output", "input"])
+def test_moe_ffn_fp64_gradcheck(weights_on):
     x, ids, weights, w_gu, w_d, b_gu, b_d = _case(6, 8, 5, 3, 2, True, F64, seed=3)
     tensors = [t.requires_grad_() for t in (x, weights, w_gu, w_d, b_gu, b_d)]
-    assert torch.autograd.gradcheck(lambda *t: ff.moe_ffn(t[0], ids, *t[1:], activation="gelu"), tensors)
+    assert torch.autograd.gradcheck(
+        lambda *t: ff.moe_ffn(t[0], ids, *t[1:], activation="gelu", weights_on=weights_on), tensors)
+
+
+@pytest.mark.parametrize("weights_on", ["output", "input"])
+def test_moe_custom_op_pair_opcheck(weights_on):
+    """torch.library.opcheck of fastformer::moe_ffn / moe_ffn_bwd (the route under torch.compile):
+    schemas, fake shapes and strides (transposed weights' gradients in their layout), autograd."""
+    from fastformer.ops import moe
+    x, ids, weights, w_gu, w_d, b_gu, b_d = _case(11, 16, 12, 3, 2, True, F32, seed=2)
+    w_gu_t = w_gu.transpose(1, 2).contiguous().transpose(1, 2)
+    on_input = weights_on == "input"
+    tensors = [t.requires_grad_() for t in (x, weights, w_gu_t, w_d, b_gu, b_d)]
+    args = (tensors[0], ids, *tensors[1:], "silu", False, 1.702, 7.0, on_input)
+    torch.library.opcheck(moe._moe_op, (*args, True))
+    torch.library.opcheck(moe._moe_op, (*[a.detach() if isinstance(a, torch.Tensor) else a for a in args], False))
+    out, gu, ys = moe._moe_op(*args, True)
+    assert gu.shape == (22, 24) and ys.shape == ((0,) if on_input else (22, 16))
+    needs = [True, True, True, True, True, True]
+    bwd_args = (torch.randn_like(out), x.detach(), ids, weights.detach(), w_gu_t.detach(), w_d.detach(),
+                gu.detach(), ys.detach(), "silu", False, 1.702, 7.0, on_input)
+    torch.library.opcheck(moe._moe_bwd_op, (*bwd_args, needs))
+    torch.library.opcheck(moe._moe_bwd_op, (*bwd_args, [True, False, False, True, False, False]))
+    grads = moe._moe_bwd_op(*bwd_args, needs)
+    assert grads[2].stride() == w_gu_t.stride()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
@@ -155,6 +216,8 @@ def test_moe_ffn_bad_input():
     x, ids, weights, w_gu, w_d, _, _ = _case(4, 16, 8, 3, 2, False, F32)
     with pytest.raises(ValueError, match="`expert_ids` must be in \\[0, 3\\)"):
         ff.moe_ffn(x, ids + 1, weights, w_gu, w_d)
+    with pytest.raises(ValueError, match="`weights_on` must be 'output' or 'input', got 'inputs'"):
+        ff.moe_ffn(x, ids, weights, w_gu, w_d, weights_on="inputs")
     with pytest.raises(TypeError, match="`expert_ids` must be an int64 or int32 tensor"):
         ff.moe_ffn(x, ids.float(), weights, w_gu, w_d)
     with pytest.raises(ValueError, match="`w_down` must be \\(E, D, F\\)"):
@@ -234,9 +297,13 @@ def test_more_moe_families_logits_and_loss_match_eager(name):
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def _model(name):
+    return _llama4() if name == "llama4" else _moe_model(name)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "llama4"])
 def test_moe_family_bf16_error_ratio(name):
-    model = _moe_model(name)
+    model = _model(name)
     ours = ff.convert(copy.deepcopy(model).to(BF16)).model
     out, grads = _run(ours, _ids())
     low, low_grads = _run(copy.deepcopy(model).to(BF16), _ids())
@@ -248,9 +315,9 @@ def test_moe_family_bf16_error_ratio(name):
             assert_lowp_rule(f"d{n}", grads[n], r, low_grads[n], GRAD_FACTOR, atol * r.abs().max().item())
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "llama4"])
 def test_moe_family_greedy_generate_matches_eager(name):
-    model = _moe_model(name).eval()
+    model = _model(name).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(3.0)
@@ -351,16 +418,24 @@ def test_gpt_oss_greedy_generate_matches_eager():
         assert torch.equal(ours.generate(**kw), model.generate(**kw))
 
 
-def test_moe_model_compiles_fullgraph():
-    """Under torch.compile the converted experts run the implementation the model had
-    (transformers' grouped_mm, traceable): fullgraph forward and backward, matching eager."""
+@pytest.mark.parametrize("name", ["mixtral", "llama4"])
+def test_moe_model_compiles_fullgraph(name, monkeypatch):
+    """Under torch.compile the converted experts are the custom-op pair fastformer::moe_ffn /
+    moe_ffn_bwd: fullgraph forward and backward, matching eager (Mixtral's default experts,
+    grouped_mm; Llama 4's all-experts block)."""
+    from fastformer.ops import moe
+    calls = []
+    for fn in ("_forward", "_backward"):
+        original = getattr(moe, fn)
+        monkeypatch.setattr(moe, fn, lambda *a, _f=original, _n=fn, **k: calls.append(_n) or _f(*a, **k))
     torch._dynamo.reset()
-    model = _moe_model("mixtral", experts=None, noise=0.0)  # default experts: grouped_mm
-    assert model.config._experts_implementation == "grouped_mm"
+    model = _llama4() if name == "llama4" else _moe_model(name, experts=None, noise=0.0)
     ours = ff.convert(model, inplace=False).model
     out, grads = _run(torch.compile(ours, fullgraph=True), _ids())
+    assert calls.count("_forward") == 2 and calls.count("_backward") == 2, calls
     reference = copy.deepcopy(model).double()
-    reference.set_experts_implementation("eager")
+    if name == "mixtral":
+        reference.set_experts_implementation("eager")
     ref, ref_grads = _run(reference, _ids())
     assert_model_matches(out, grads, ref, ref_grads, "_orig_mod.")
 
@@ -384,3 +459,31 @@ def test_deepseek_v3_moe_layers_converted_and_matching_fp32():
     out, grads = _run(report.model, _ids())
     ref, ref_grads = _run(copy.deepcopy(model).double(), _ids())
     assert_model_matches(out, grads, ref, ref_grads)
+
+
+def _llama4(dtype=F32, top_k=1):
+    """Llama 4 text: MoE blocks on layers 1 and 3 (every token through every expert, the input
+    scaled by the router's sigmoid score), chunked attention (chunks of 8) and NoPE layers."""
+    return _moe_model("llama4_text", dtype, experts=None, num_hidden_layers=4, moe_layers=[1, 3],
+                      intermediate_size_mlp=80, attention_chunk_size=8, num_experts_per_tok=top_k)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_moe_converted_and_matching_fp32(top_k):
+    """Llama 4's MoE blocks run ff.moe_ffn(weights_on="input") on the top-k experts only (the
+    others' score is 0): logits and every parameter's gradient (the router's included) against
+    eager's all-experts forward in fp64; the norms, residual adds and LM loss converted too."""
+    model = _llama4(top_k=top_k)
+    report = ff.convert(model, inplace=False)
+    kinds = [kind for _, _, kind in report.replaced]
+    assert sum("ff.moe_ffn on the top-k" in k for k in kinds) == 2, str(report)
+    assert sum("residual add fused" in k for k in kinds) == 4 and "ff.rms_norm" in kinds, str(report)
+    assert any("linear_cross_entropy" in k for k in kinds) and not report.left, str(report)
+    out, grads = _run(report.model, _ids())
+    ref, ref_grads = _run(copy.deepcopy(model).double(), _ids())
+    assert_model_matches(out, grads, ref, ref_grads)
+    labels = _ids()["input_ids"]
+    with torch.no_grad():
+        loss, ref_loss = report.model(**_ids(), labels=labels).loss, copy.deepcopy(model).double()(
+            **_ids(), labels=labels).loss
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())

@@ -83,6 +83,7 @@ from ..ops.linear import linear
 from . import hf_moe
 from .hf_lm_loss import CausalLMLoss as _CausalLMLoss
 from .hf_lm_loss import MoECausalLMLoss as _MoECausalLMLoss
+from .hf_lm_loss import decoder_of
 from .hf_mlp_forms import activation_name as _activation
 from .hf_mlp_forms import convert_mlp_by_form, mlp_candidate, model_ffn, model_swiglu_ffn
 from .hf_mlp_forms import same_dtype as _same_dtype
@@ -156,7 +157,18 @@ class _PreNormDecoderLayer:
         residual = hidden_states
         h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
         h, residual = _add_norm(self.post_attention_layernorm, h, residual)
-        return residual + self.mlp(h)
+        return residual + self._ff_mlp(h)
+
+    def _ff_mlp(self, h):
+        return self.mlp(h)
+
+
+class _Llama4DecoderLayer(_PreNormDecoderLayer):
+    """Llama 4's: the MLP is feed_forward, and a MoE block's returns (flattened rows, logits)."""
+
+    def _ff_mlp(self, h):
+        out = self.feed_forward(h)
+        return (out[0] if self.is_moe_layer else out).view(h.shape)
 
 
 class _SandwichDecoderLayer:
@@ -415,7 +427,7 @@ def _convert_causal_lm(m: nn.Module, softcap_from_config: bool = True, mixin: ty
     final_logit_softcapping (Gemma 2/3); a forward in Llama's form does not, whatever its
     config holds."""
     head = m.get_output_embeddings() if hasattr(m, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear) or not hasattr(m, getattr(m, "base_model_prefix", "")):
+    if not isinstance(head, nn.Linear) or decoder_of(m) is None:
         return "no nn.Linear LM head over a base model"
     m._ff_softcap = getattr(m.config, "final_logit_softcapping", None) if softcap_from_config else None
     _swap(m, mixin)
@@ -501,6 +513,7 @@ def _forms() -> dict:
     from transformers.models.gemma import modeling_gemma
     from transformers.models.gemma2 import modeling_gemma2
     from transformers.models.llama import modeling_llama as llama
+    from transformers.models.llama4 import modeling_llama4 as l4
     from transformers.models.mixtral import modeling_mixtral
     from transformers.models.siglip import modeling_siglip as siglip
     return {
@@ -518,6 +531,10 @@ def _forms() -> dict:
         code_form(modeling_mixtral.MixtralForCausalLM.forward): _convert_moe_form_lm,
         # Llama's layer but for the keywords it passes to self_attn (no use_cache): Mixtral, ...
         code_form(modeling_mixtral.MixtralDecoderLayer.forward): lambda m: _swap(m, _PreNormDecoderLayer),
+        code_form(l4.Llama4TextRMSNorm.forward): lambda m: _convert_rms(m, False),
+        code_form(l4.Llama4TextDecoderLayer.forward): lambda m: _swap(m, _Llama4DecoderLayer),
+        code_form(l4.Llama4TextMoe.forward): lambda m: hf_moe.convert_input_weighted_moe(m, _swap),
+        code_form(l4.Llama4ForCausalLM.forward): _convert_llama_form_lm,
     }
 
 

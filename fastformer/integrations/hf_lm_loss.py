@@ -24,6 +24,14 @@ def _shifted_loss(model: nn.Module, hidden, labels, num_items):
                                 reduction="sum") / num_items
 
 
+def decoder_of(model: nn.Module):
+    """The base model a CausalLM's forward runs (its base_model_prefix attribute, or `model`:
+    Llama 4's prefix names the multimodal model's attribute); None if neither is a module."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    base = base if isinstance(base, nn.Module) else getattr(model, "model", None)
+    return base if isinstance(base, nn.Module) else None
+
+
 def _output(cls, loss, outputs, **extra):
     out = {"loss": loss, "logits": None, "hidden_states": outputs.hidden_states,
            "attentions": outputs.attentions, **extra}
@@ -42,7 +50,7 @@ class CausalLMLoss:
             return super().forward(*args, labels=labels, **kwargs)
         kwargs.pop("logits_to_keep", None)
         num_items = kwargs.pop("num_items_in_batch", None)
-        outputs = getattr(self, self.base_model_prefix)(**kwargs)
+        outputs = decoder_of(self)(**kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
         return _output(CausalLMOutputWithPast, _shifted_loss(self, outputs.last_hidden_state, labels, num_items),
                        outputs)
@@ -60,7 +68,7 @@ class MoECausalLMLoss:
             output_router_logits = self.config.output_router_logits
         kwargs.pop("logits_to_keep", None)
         num_items = kwargs.pop("num_items_in_batch", None)
-        outputs = getattr(self, self.base_model_prefix)(output_router_logits=output_router_logits, **kwargs)
+        outputs = decoder_of(self)(output_router_logits=output_router_logits, **kwargs)
         loss = _shifted_loss(self, outputs.last_hidden_state, labels, num_items)
         aux_loss = None
         if output_router_logits:
@@ -73,4 +81,4 @@ class MoECausalLMLoss:
                        router_logits=outputs.router_logits)
 
 
-__all__ = ["CausalLMLoss", "MoECausalLMLoss"]
+__all__ = ["CausalLMLoss", "MoECausalLMLoss", "decoder_of"]

@@ -12,10 +12,17 @@ Taken: gated experts, gate and up rows concatenated or interleaved, stored eithe
 transposed (E, D, 2F) layout is read through views), with or without biases, with transformers'
 default gate (``act_fn(gate) * up``, an activation of the fused kernels) or gpt-oss's clamped
 SwiGLU (its ``_apply_gate``, recognized by its bytecode). Not taken: experts without a gate, any
-other ``_apply_gate``, a norm after each expert. A call the kernels do not take (activations in another dtype than the
-weights, expert parallelism's sentinel ids, tracing by torch.compile, where the loop over experts
-would break the graph, decode steps of experts stored transposed) runs the implementation the
-module had before conversion.
+other ``_apply_gate``, a norm after each expert. A call the kernels do not take (activations in
+another dtype than the weights, expert parallelism's sentinel ids, decode steps of experts
+stored transposed) runs the implementation the module had before conversion. Under
+torch.compile ff.moe_ffn is a custom-op pair: a converted model compiles fullgraph on it.
+
+Llama 4 writes its MoE block outside that interface (``Llama4TextMoe``): every token runs
+through every expert, its input scaled by the router's sigmoid score, which is 0 for the experts
+outside the top k (and an expert without biases maps 0 to 0). :func:`convert_input_weighted_moe`
+runs the block's forward on ``ff.moe_ffn(..., weights_on="input")`` over the top-k experts only
+(Llama 4 Scout: 1 of 16 experts' FLOPs), for every block whose forward, router and experts are
+Llama 4's instruction for instruction.
 
 Against transformers' default on CPU (``grouped_mm``), a Mixtral-style block (8 experts of
 1024 -> 3584, top 2, 1024 tokens) on the 2-core AMX Xeon: see benchmarks/RESULTS.md (Whole
@@ -85,7 +92,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     implementation for a call it does not take (see the module docstring)."""
     w_gu, w_d, b_gu, b_d = _weights(self)
     if (getattr(self, "_ff_gate", None) is None or getattr(self, "_is_expert_parallel", False)
-            or torch.compiler.is_compiling() or hidden_states.dtype != w_gu.dtype
+            or hidden_states.dtype != w_gu.dtype
             or hidden_states.dim() != 2 or _transposed_decode(self, hidden_states)):
         return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
     return moe_ffn(hidden_states, top_k_index, top_k_weights, w_gu, w_d, b_gu, b_d, **self._ff_gate)
@@ -110,6 +117,50 @@ def _fallback(m: nn.Module):
     if name in (None, "eager", NAME):
         return original
     return ALL_EXPERTS_FUNCTIONS.get_interface(name, original)
+
+
+class InputWeightedMoE:
+    """Llama 4's MoE block: the shared expert plus the top-k routed experts, each reading its
+    sigmoid router score times x (the others' score is 0, their output 0); returns (out, the
+    router logits) as the block does. A call with weights in another dtype than the activations
+    runs the block's own forward (all experts)."""
+    _ff_what = "ff.moe_ffn on the top-k experts (weights on the input)"
+
+    def forward(self, hidden_states):
+        experts = self.experts
+        w_gu, w_d = experts.gate_up_proj, experts.down_proj
+        if not hidden_states.dtype == w_gu.dtype == w_d.dtype == self.router.weight.dtype:
+            return super().forward(hidden_states)
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        router_logits = nn.functional.linear(x, self.router.weight)
+        top_logits, top_ids = torch.topk(router_logits, self.top_k, dim=1)
+        scores = torch.sigmoid(top_logits.float()).to(router_logits.dtype)
+        routed = moe_ffn(x, top_ids, scores, w_gu.transpose(1, 2), w_d.transpose(1, 2),
+                         weights_on="input", **self._ff_gate)
+        return self.shared_expert(x) + routed, router_logits
+
+
+@functools.lru_cache(maxsize=None)
+def _llama4_forms():
+    from transformers.models.llama4 import modeling_llama4 as l4
+    return code_form(l4.Llama4Router.forward), code_form(l4.Llama4TextExperts.forward)
+
+
+def convert_input_weighted_moe(m: nn.Module, swap) -> Optional[str]:
+    """Swap m (a block in Llama4TextMoe's form) for InputWeightedMoE, or say why not."""
+    router_form, experts_form = _llama4_forms()
+    router, experts = getattr(m, "router", None), getattr(m, "experts", None)
+    if (not isinstance(router, nn.Linear) or router.bias is not None
+            or code_form(type(router).forward) != router_form):
+        return "its router is not Llama 4's (a linear without bias, sigmoid of the top-k logits)"
+    if experts is None or code_form(type(experts).forward) != experts_form:
+        return "its experts are not Llama 4's (stacked (E, D, 2F) gate / up and (E, F, D) down weights)"
+    act = activation_name(getattr(experts, "act_fn", None))
+    if act is None:
+        return f"activation {type(getattr(experts, 'act_fn', None)).__name__} has no fused kernel"
+    m._ff_gate = dict(activation=act)
+    swap(m, InputWeightedMoE)
+    return None
 
 
 def register() -> None:
@@ -140,4 +191,5 @@ def select(converted: list) -> None:
         m.config._experts_implementation = NAME
 
 
-__all__ = ["NAME", "convert_experts", "experts_forward", "is_experts", "register", "select"]
+__all__ = ["NAME", "InputWeightedMoE", "convert_experts", "convert_input_weighted_moe", "experts_forward",
+           "is_experts", "register", "select"]

@@ -13,7 +13,8 @@ their order); for each expert with rows, its gathered rows xs (n_e, D) run the e
                                       gpt-oss's clamped SwiGLU and interleaved gate / up columns
                                       in torch ops, _Gate)
   ys = h w_down[e]^T (+ b)            (n_e, D)
-then each pair's ys times its weight goes back to its slot, and the k slots of a token are summed
+then each pair's ys times its weight goes back to its slot (with weights_on="input", Llama 4's
+form, the weight scales the gathered row xs instead), and the k slots of a token are summed
 (in the promoted dtype, as transformers' grouped_mm experts do; deterministic: no atomics, no
 index_add). The backward recomputes h from gu (with the activation's gradient in the same pass on
 CPU) and writes each expert's weight gradients straight into its slice of one (E, ...) buffer:
@@ -23,9 +24,9 @@ for the routing weights' gradient, S = N * k; never h.
 
 Calls with no autograd and few rows per expert (decode steps) take ops/linear.py's few-row kernel
 for both projections: the step's time is reading the chosen experts' weights.
-The experts' row counts are read on the host (the loop over experts), so under torch.compile a
-call breaks the graph; ff.convert's Hugging Face models run transformers' own implementation
-there (integrations/hf_moe.py).
+The experts' row counts are read on the host (the loop over experts): under torch.compile the
+forward and the backward are two custom ops (fastformer::moe_ffn, fastformer::moe_ffn_bwd) that
+the compiler calls as they are.
 """
 from __future__ import annotations
 
@@ -141,10 +142,19 @@ class _Routing:
         return pairs.view(n_tokens, self.k, rows.shape[1]).sum(1)
 
 
-def _experts_fwd(x, r: _Routing, w_gate_up, b_gate_up, w_down, b_down, gate: _Gate, keep_gu: bool):
-    """ys (S, D) in sorted order, and gu (S, 2F) when keep_gu."""
+def _scaled(xs: Tensor, w_sorted: Tensor) -> Tensor:
+    """Each routed row times its weight, rounded to x's dtype (what Llama 4's experts read)."""
+    return (xs * w_sorted[:, None]).to(xs.dtype)
+
+
+def _experts_fwd(x, r: _Routing, w_gate_up, b_gate_up, w_down, b_down, gate: _Gate, keep_gu: bool,
+                 w_on_input: Optional[Tensor]):
+    """ys (S, D) in sorted order, and gu (S, 2F) when keep_gu; w_on_input: the sorted routing
+    weights when they scale the experts' inputs (weights_on="input")."""
     F_ = w_down.shape[2]
     xs = x.index_select(0, r.token)
+    if w_on_input is not None:
+        xs = _scaled(xs, w_on_input)
     S = xs.shape[0]
     ys = x.new_empty((S, x.shape[1]))
     gu_all = x.new_empty((S, 2 * F_)) if keep_gu else None
@@ -161,62 +171,155 @@ def _experts_fwd(x, r: _Routing, w_gate_up, b_gate_up, w_down, b_down, gate: _Ga
     return ys, gu_all
 
 
+def _forward(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, gate: _Gate, on_input: bool, keep: bool):
+    """(out (N, D), gu (S, 2F) and ys (S, D) for the backward (None unless keep; ys only where the
+    routing weights' gradient needs it), the routing)."""
+    r = _Routing(ids, w_gate_up.shape[0])
+    w_sorted = weights.reshape(-1)[r.order]
+    ys, gu = _experts_fwd(x, r, w_gate_up, b_gate_up, w_down, b_down, gate, keep_gu=keep,
+                          w_on_input=w_sorted if on_input else None)
+    out = _combine_outputs(r, ys, None if on_input else w_sorted, x)
+    return out, gu, ys if keep and not on_input else None, r
+
+
+def _backward(d_out, x, r: _Routing, weights, w_gate_up, w_down, gu, ys, gate: _Gate, on_input: bool, needs):
+    """(dx, d_weights, d_w_gate_up, d_w_down, d_b_gate_up, d_b_down), None where not needed."""
+    need_x, need_w, need_wgu, need_wd, need_bgu, need_bd = needs
+    F_ = w_down.shape[2]
+    d_out = rowwise(d_out)
+    w_sorted = weights.reshape(-1)[r.order]
+    d_pairs = d_out.index_select(0, r.token)                       # (S, D), sorted
+    d_weights = None
+    if need_w and not on_input:
+        d_weights = _routing_weight_grad(r, d_pairs.to(ys.dtype), ys, weights)
+    xs = x.index_select(0, r.token)
+    if on_input:  # the experts read w * x: their input gradient gives dx and d w
+        dys, xs_in = d_pairs.to(x.dtype), _scaled(xs, w_sorted)
+    else:
+        dys, xs_in = (d_pairs * w_sorted[:, None]).to(x.dtype), xs
+    dxs = torch.empty_like(xs) if need_x or (need_w and on_input) else None
+    dw_gu = _expert_grad_buffer(w_gate_up, r) if need_wgu else None
+    dw_d = _expert_grad_buffer(w_down, r) if need_wd else None
+    db_gu = x.new_zeros((w_gate_up.shape[0], 2 * F_), dtype=w_gate_up.dtype) if need_bgu else None
+    db_d = x.new_zeros((w_down.shape[0], w_down.shape[1]), dtype=w_down.dtype) if need_bd else None
+    for e, lo, hi in r.spans:
+        dy, x_e = dys[lo:hi], xs_in[lo:hi]
+        dh = dy @ w_down[e]                                         # (n, F)
+        parts, h = gate.bwd(dh, gu[lo:hi])
+        del dh
+        if need_wd:
+            _weight_grad_into(dw_d[e], dy, h)
+        if need_bd:
+            db_d[e] = dy.sum(0)
+        del h
+        for i, (rows, d) in enumerate(parts):
+            if need_wgu:
+                _weight_grad_into(dw_gu[e, rows], d, x_e)
+            if need_bgu:
+                db_gu[e, rows] = d.sum(0)
+            if dxs is not None and i == 0:
+                torch.mm(d, w_gate_up[e, rows], out=dxs[lo:hi])
+            elif dxs is not None:
+                dxs[lo:hi].addmm_(d, w_gate_up[e, rows])
+    if on_input and need_w:
+        d_weights = _routing_weight_grad(r, dxs, xs, weights)
+    if on_input and need_x:
+        dxs = _scaled(dxs, w_sorted)
+    dx = r.combine(dxs, x.shape[0]).to(x.dtype) if need_x else None
+    return dx, d_weights, dw_gu, dw_d, db_gu, db_d
+
+
 class _MoEFFN(torch.autograd.Function):
+    """Eager calls with autograd (torch.compile traces the custom-op pair below instead)."""
 
     @staticmethod
-    def forward(ctx, x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, gate):
-        r = _Routing(ids, w_gate_up.shape[0])
-        ys, gu = _experts_fwd(x, r, w_gate_up, b_gate_up, w_down, b_down, gate, keep_gu=True)
-        w_sorted = weights.reshape(-1)[r.order]
-        out = r.combine(ys * w_sorted[:, None], x.shape[0]).to(x.dtype)
+    def forward(ctx, x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, gate, on_input):
+        out, gu, ys, r = _forward(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, gate, on_input,
+                                  keep=True)
         ctx.save_for_backward(x, weights, w_gate_up, w_down, gu, ys if weights.requires_grad else None)
-        ctx.routing, ctx.gate = r, gate
+        ctx.routing, ctx.gate, ctx.on_input = r, gate, on_input
         return owned(out)
 
     @staticmethod
     def backward(ctx, d_out):
         x, weights, w_gate_up, w_down, gu, ys = ctx.saved_tensors
-        r, gate = ctx.routing, ctx.gate
-        need_x, _, need_w, need_wgu, need_wd, need_bgu, need_bd, _ = ctx.needs_input_grad
-        F_ = w_down.shape[2]
-        d_out = rowwise(d_out)
-        w_sorted = weights.reshape(-1)[r.order]
-        d_pairs = d_out.index_select(0, r.token)                       # (S, D), sorted
-        d_weights = None
-        if need_w:
-            acc = ref_ffn.acc_dtype(x.dtype)
-            d_w_sorted = (d_pairs.to(ys.dtype) * ys).sum(1, dtype=acc)
-            d_weights = torch.empty_like(w_sorted, dtype=acc)
-            d_weights[r.order] = d_w_sorted
-            d_weights = d_weights.view(weights.shape).to(weights.dtype)
-        dys = (d_pairs * w_sorted[:, None]).to(x.dtype)                 # d ys
-        xs = x.index_select(0, r.token)
-        dxs = torch.empty_like(xs) if need_x else None
-        dw_gu = _expert_grad_buffer(w_gate_up, r) if need_wgu else None
-        dw_d = _expert_grad_buffer(w_down, r) if need_wd else None
-        db_gu = x.new_zeros((w_gate_up.shape[0], 2 * F_), dtype=w_gate_up.dtype) if need_bgu else None
-        db_d = x.new_zeros((w_down.shape[0], w_down.shape[1]), dtype=w_down.dtype) if need_bd else None
-        for e, lo, hi in r.spans:
-            dy, x_e = dys[lo:hi], xs[lo:hi]
-            dh = dy @ w_down[e]                                         # (n, F)
-            parts, h = gate.bwd(dh, gu[lo:hi])
-            del dh
-            if need_wd:
-                _weight_grad_into(dw_d[e], dy, h)
-            if need_bd:
-                db_d[e] = dy.sum(0)
-            del h
-            for i, (rows, d) in enumerate(parts):
-                if need_wgu:
-                    _weight_grad_into(dw_gu[e, rows], d, x_e)
-                if need_bgu:
-                    db_gu[e, rows] = d.sum(0)
-                if need_x and i == 0:
-                    torch.mm(d, w_gate_up[e, rows], out=dxs[lo:hi])
-                elif need_x:
-                    dxs[lo:hi].addmm_(d, w_gate_up[e, rows])
-        dx = r.combine(dxs, x.shape[0]).to(x.dtype) if need_x else None
-        return dx, None, d_weights, dw_gu, dw_d, db_gu, db_d, None
+        need_x, _, need_w, need_wgu, need_wd, need_bgu, need_bd, _, _ = ctx.needs_input_grad
+        grads = _backward(d_out, x, ctx.routing, weights, w_gate_up, w_down, gu, ys, ctx.gate, ctx.on_input,
+                          (need_x, need_w, need_wgu, need_wd, need_bgu, need_bd))
+        dx, d_weights, *weight_grads = grads
+        return dx, None, d_weights, *weight_grads, None, None
+
+
+# ---- under torch.compile: a custom-op pair (the loop over experts reads row counts on the host,
+# which would break the graph; as ops the compiler sees two opaque calls) ----------------------
+@torch.library.custom_op("fastformer::moe_ffn", mutates_args=())
+def _moe_op(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
+            b_gate_up: Optional[Tensor], b_down: Optional[Tensor], activation: str, interleaved: bool,
+            alpha: float, limit: float, on_input: bool, keep: bool) -> list[Tensor]:
+    """[out, gu, ys]; gu and ys empty unless keep (and on_input: ys empty)."""
+    gate = _Gate(activation, interleaved, alpha, limit)
+    out, gu, ys, _ = _forward(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, gate, on_input, keep)
+    return [out, x.new_empty((0,)) if gu is None else gu, x.new_empty((0,)) if ys is None else ys]
+
+
+@_moe_op.register_fake
+def _(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activation, interleaved, alpha, limit, on_input,
+      keep):
+    S = ids.numel()
+    gu = x.new_empty((S, w_gate_up.shape[1])) if keep else x.new_empty((0,))
+    ys = x.new_empty((S, x.shape[1])) if keep and not on_input else x.new_empty((0,))
+    return [x.new_empty(x.shape), gu, ys]
+
+
+@torch.library.custom_op("fastformer::moe_ffn_bwd", mutates_args=())
+def _moe_bwd_op(d_out: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
+                gu: Tensor, ys: Tensor, activation: str, interleaved: bool, alpha: float, limit: float,
+                on_input: bool, needs: list[bool]) -> list[Tensor]:
+    gate = _Gate(activation, interleaved, alpha, limit)
+    r = _Routing(ids, w_gate_up.shape[0])
+    grads = _backward(d_out, x, r, weights, w_gate_up, w_down, gu, ys, gate, on_input, needs)
+    return [g if g is not None else x.new_empty((0,)) for g in grads]
+
+
+@_moe_bwd_op.register_fake
+def _(d_out, x, ids, weights, w_gate_up, w_down, gu, ys, activation, interleaved, alpha, limit, on_input, needs):
+    E, F2, D = w_gate_up.shape
+    like = (x.new_empty(x.shape), weights.new_empty(weights.shape), torch.empty_like(w_gate_up),
+            torch.empty_like(w_down), w_gate_up.new_empty((E, F2)), w_down.new_empty((E, D)))
+    return [t if need else x.new_empty((0,)) for t, need in zip(like, needs)]
+
+
+def _moe_op_setup(ctx, inputs, output):
+    x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, *options, keep = inputs
+    ctx.save_for_backward(x, ids, weights, w_gate_up, w_down, output[1], output[2])
+    ctx.options = options
+    ctx.needs = [t is not None and t.requires_grad
+                 for t in (x, weights, w_gate_up, w_down, b_gate_up, b_down)]
+
+
+def _moe_op_backward(ctx, grads):
+    x, ids, weights, w_gate_up, w_down, gu, ys = ctx.saved_tensors
+    out = _moe_bwd_op(grads[0], x, ids, weights, w_gate_up, w_down, gu, ys, *ctx.options, ctx.needs)
+    dx, d_weights, dw_gu, dw_d, db_gu, db_d = (g if need else None for g, need in zip(out, ctx.needs))
+    return dx, None, d_weights, dw_gu, dw_d, db_gu, db_d, None, None, None, None, None, None
+
+
+_moe_op.register_autograd(_moe_op_backward, setup_context=_moe_op_setup)
+
+
+def _combine_outputs(r: _Routing, ys: Tensor, w_sorted: Optional[Tensor], x: Tensor) -> Tensor:
+    """(N, D) in x's dtype: each token's slots summed, each times its weight unless the weights
+    scaled the inputs (w_sorted None)."""
+    return r.combine(ys if w_sorted is None else ys * w_sorted[:, None], x.shape[0]).to(x.dtype)
+
+
+def _routing_weight_grad(r: _Routing, a: Tensor, b: Tensor, weights: Tensor) -> Tensor:
+    """d expert_weights (N, k): the row dot products of a and b (S, D, sorted order) in the
+    accumulation dtype, back in the (token, slot) order."""
+    d_sorted = (a * b).sum(1, dtype=ref_ffn.acc_dtype(b.dtype))
+    d_weights = torch.empty_like(d_sorted)
+    d_weights[r.order] = d_sorted
+    return d_weights.view(weights.shape).to(weights.dtype)
 
 
 def _expert_grad_buffer(w: Tensor, r: _Routing) -> Tensor:
@@ -293,7 +396,7 @@ def _gate(fn: str, activation, interleaved, alpha, limit) -> _Gate:
 def moe_ffn(x: Tensor, expert_ids: Tensor, expert_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
             b_gate_up: Optional[Tensor] = None, b_down: Optional[Tensor] = None, *,
             activation: str = "silu", interleaved: bool = False, swiglu_alpha: float = 1.702,
-            swiglu_limit: float = 7.0) -> Tensor:
+            swiglu_limit: float = 7.0, weights_on: str = "output") -> Tensor:
     """The routed experts of a mixture-of-experts layer, each a gated FFN (SwiGLU with "silu",
     GeGLU with "gelu" / "gelu_tanh"), grouped by expert.
 
@@ -311,22 +414,31 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, expert_weights: Tensor, w_gate_up: Te
             (h = act(gate) * up); or "clamped_swiglu", gpt-oss's: gate clamped above at
             swiglu_limit, up to [-swiglu_limit, swiglu_limit], h = (up + 1) * gate *
             sigmoid(swiglu_alpha * gate).
+        weights_on: "output" (Mixtral, ...: each expert's output times its weight) or "input"
+            (Llama 4: the expert reads its weight times x, rounded to x's dtype, and the outputs
+            are summed unweighted).
 
     Returns:
-        (N, D) in x's dtype: ``sum_j expert_weights[n, j] * expert_{expert_ids[n, j]}(x[n])``,
-        the slots summed in the promoted dtype of the experts' outputs and the weights.
-        Gradients for x, expert_weights and every weight and bias.
+        (N, D) in x's dtype: ``sum_j expert_weights[n, j] * expert_{expert_ids[n, j]}(x[n])``
+        (``sum_j expert_{expert_ids[n, j]}(expert_weights[n, j] * x[n])`` with
+        weights_on="input"), the slots summed in the promoted dtype of the experts' outputs and
+        the weights. Gradients for x, expert_weights and every weight and bias.
     """
     fn = "moe_ffn"
     gate = _gate(fn, activation, interleaved, swiglu_alpha, swiglu_limit)
+    if weights_on not in ("output", "input"):
+        raise ValueError(f"{fn}: `weights_on` must be 'output' or 'input', got {weights_on!r}")
+    on_input = weights_on == "input"
     _check(fn, x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down)
     tensors = (x, expert_weights, w_gate_up, w_down, b_gate_up, b_down)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        return _MoEFFN.apply(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, gate)
-    r = _Routing(expert_ids, w_gate_up.shape[0])
-    ys, _ = _experts_fwd(x, r, w_gate_up, b_gate_up, w_down, b_down, gate, keep_gu=False)
-    w_sorted = expert_weights.reshape(-1)[r.order]
-    return r.combine(ys * w_sorted[:, None], x.shape[0]).to(x.dtype)
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if torch.compiler.is_compiling():
+        return _moe_op(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, activation,
+                       interleaved, float(swiglu_alpha), float(swiglu_limit), on_input, grad)[0]
+    if grad:
+        return _MoEFFN.apply(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, gate, on_input)
+    return _forward(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, gate, on_input,
+                    keep=False)[0]
 
 
 __all__ = ["moe_ffn"]
