@@ -58,6 +58,15 @@ def _configs():
                                                       num_hidden_layers=2, num_attention_heads=16,
                                                       num_key_value_heads=4, num_local_experts=8,
                                                       num_experts_per_tok=2, max_position_embeddings=4096), 1, 1024),
+        # Llama 4 Scout's MoE form: 16 experts of 1024 -> 2048 in every layer, top 1, a shared
+        # expert; transformers runs every token through every expert (the router's score scales
+        # the input), ff.convert the top-1 expert only (ff.moe_ffn, weights on the input)
+        "Llama-4-style 2x1024 16 experts top-1": (t.Llama4TextConfig, t.Llama4ForCausalLM,
+                                                  dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048,
+                                                       intermediate_size_mlp=4096, num_hidden_layers=2,
+                                                       num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+                                                       num_local_experts=16, num_experts_per_tok=1,
+                                                       max_position_embeddings=4096), 1, 512),
         # the gate and up projections as one (2 x 5632, 2048) linear: ff.swiglu_ffn on its halves
         "Phi-3-style 4x2048 GQA 32/8": (t.Phi3Config, t.Phi3ForCausalLM, dict(llama, pad_token_id=0), 1, 1024),
         "BERT-base 12x768": (t.BertConfig, t.BertModel, dict(vocab_size=30522, hidden_size=768,

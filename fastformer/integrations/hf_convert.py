@@ -22,6 +22,8 @@ experts modules of MoE      ``ff.moe_ffn`` as transformers' experts implementati
 models (Mixtral, Qwen-MoE,  (integrations/hf_moe.py): gated experts, gate / up rows concatenated
 OLMoE, gpt-oss, DeepSeek,   or interleaved, the default gate or gpt-oss's clamped SwiGLU; others
 ...)                        named in the report with the reason
+Llama 4's MoE blocks        ``ff.moe_ffn(weights_on="input")`` on the top-k experts (transformers
+                            runs all of them); its RMSNorms, layers and loss as Llama's
 CLIP / SigLIP encoder       layer_norm2 with its residual add (by form: the vision towers
 layers                      written from them too)
 BART / Whisper-form         every residual add fused into its LayerNorm, fc1 -> act -> fc2 on
