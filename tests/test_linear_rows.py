@@ -1,6 +1,9 @@
 """ops/linear.py (csrc/cpu/linear_rows.cpp): x @ W^T + b for the few-row calls of decoding,
-against the fp64 product, across rows 1-100 (fp32; 1-8 bf16 / fp16), odd feature counts (vector tails), biases, strided
-weight rows and the dtypes it takes; the calls it does not take return F.linear's result."""
+against the fp64 product, across rows 1-100 (fp32; 1-8 bf16 / fp16), odd feature counts (vector
+tails), biases, strided weight rows, weights stored in-major (a transposed view) and the dtypes it
+takes; the calls it does not take return F.linear's result."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -35,15 +38,24 @@ def test_kernel_matches_fp64_product(dtype, rows, in_f, out_f, bias):
         assert_lowp_rule("y", got, want, F.linear(x, w, b), OUT_FACTOR, LOWP_ATOL[dtype])
 
 
-@pytest.mark.parametrize("level", ["avx2", "avx512"])
-def test_transposed_form_at_each_level_matches_fp64(level):
-    """The transposed form's blocks depend on the vector width: both levels, rows across
-    their chunk sizes, against the fp64 product."""
+@contextlib.contextmanager
+def _at_level(level):
+    """The kernels of `level` for the block (skips where they are not built or the CPU lacks them)."""
     if level not in ff._ext.cpu_info()["built"] or level == "avx512" and ff._ext.cpu_info()["max_capability"] != "avx512":
         pytest.skip(f"the {level} kernels are not built or this CPU lacks them")
     before = ff._ext.cpu_level()
     ff._ext.set_cpu_capability(level)
     try:
+        yield
+    finally:
+        ff._ext.set_cpu_capability(before)
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
+def test_transposed_form_at_each_level_matches_fp64(level):
+    """The transposed form's blocks depend on the vector width: both levels, rows across
+    their chunk sizes, against the fp64 product."""
+    with _at_level(level):
         g = torch.Generator().manual_seed(7)
         # from 3 rows; x beyond L1 (3 x 5600, 8 x 2113) too
         for rows, in_f in ((3, 5600), (8, 2113), (9, 203), (15, 203), (16, 203), (31, 203), (32, 203),
@@ -52,8 +64,53 @@ def test_transposed_form_at_each_level_matches_fp64(level):
             torch.testing.assert_close(ff._ext.C.linear_rows(x, w, b).double(),
                                        F.linear(x.double(), w.double(), b.double()),
                                        atol=1e-5 * in_f ** 0.5, rtol=1e-5)
-    finally:
-        ff._ext.set_cpu_capability(before)
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_in_major_form_matches_fp64_product(level, dtype):
+    """Weights stored (in, out) and passed as their transpose (GPT-2's Conv1D, stacked experts):
+    1-8 rows (the row passes of 1-2, the register strips of 3-8), odd in / out counts (vector
+    and strip tails, in-blocks over threads), a row stride beyond out (a column slice), bias."""
+    with _at_level(level):
+        g = torch.Generator().manual_seed(11)
+        for rows in range(1, 9):
+            for in_f, out_f in ((2, 3), (17, 203), (203, 113), (40, 72), (130, 80), (1000, 17)):
+                store = torch.randn(in_f, out_f + 9, generator=g).to(dtype)
+                w = store[:, 4:4 + out_f].t()  # (out, in), column stride out_f + 9
+                x = torch.randn(rows, in_f, generator=g).to(dtype)
+                b = torch.randn(out_f, generator=g).to(dtype) if rows % 2 else None
+                got = ff._ext.C.linear_rows(x, w, b)
+                want = F.linear(x.double(), w.double(), None if b is None else b.double())
+                assert got.dtype == dtype and got.shape == (rows, out_f)
+                if dtype == torch.float32:
+                    torch.testing.assert_close(got.double(), want, atol=1e-5 * in_f ** 0.5, rtol=1e-5)
+                else:
+                    assert_lowp_rule(f"y {rows}x{in_f}x{out_f}", got, want, F.linear(x, w, b), OUT_FACTOR,
+                                     LOWP_ATOL[dtype])
+
+
+def test_in_major_weights_take_the_kernel_by_the_measured_rule():
+    from fastformer.ops import cpu_gemm
+    level = ff._ext.cpu_level()
+    w = torch.randn(1024, 2048).t()  # stored (in, out)
+    wb = w.bfloat16()
+    assert wb.stride(0) == 1
+    most = lin.IN_MAJOR_MAX_ROWS.get(level, {})
+    if not most:
+        assert not lin.rows_kernel_takes(torch.randn(2, 1024), w, None)
+        return
+    assert lin.rows_kernel_takes(torch.randn(1, 1024), w, None) == (not cpu_gemm.mkl_on_intel())
+    assert lin.rows_kernel_takes(torch.randn(most[torch.float32], 1024), w, None)
+    assert not lin.rows_kernel_takes(torch.randn(most[torch.float32] + 1, 1024), w, None)
+    assert lin.rows_kernel_takes(torch.randn(most[torch.bfloat16], 1024).bfloat16(), wb, None)
+    assert not lin.rows_kernel_takes(torch.randn(most[torch.bfloat16] + 1, 1024).bfloat16(), wb, None)
+    assert not lin.rows_kernel_takes(torch.randn(1, 1024).half(), w.half(), None)  # not measured
+    odd = torch.randn(2048, 3072)[:, ::3]  # neither rows nor columns contiguous
+    assert not lin.rows_kernel_takes(torch.randn(2, 1024), odd, None)
+    with torch.no_grad():  # through linear(): the kernel's answer
+        x = torch.randn(2, 1024)
+        torch.testing.assert_close(lin.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
 
 
 def test_kernel_refuses_more_than_8_reduced_precision_rows():
@@ -61,6 +118,8 @@ def test_kernel_refuses_more_than_8_reduced_precision_rows():
         ff._ext.C.linear_rows(torch.randn(9, 32).half(), torch.randn(4, 32).half(), None)
     with pytest.raises(RuntimeError, match="1..8 rows unless the weight is f32"):  # not tile rows
         ff._ext.C.linear_rows(torch.randn(9, 40).bfloat16(), torch.randn(4, 40).bfloat16(), None)
+    with pytest.raises(RuntimeError, match="1..8 rows unless the weight is f32 with contiguous rows"):
+        ff._ext.C.linear_rows(torch.randn(9, 40), torch.randn(40, 4).t(), None)  # in-major: 1..8
 
 
 @pytest.mark.skipif(ff._ext.C is None or not ff._ext.amx_in_use(),
@@ -112,7 +171,7 @@ def test_linear_uses_the_kernel_only_where_it_is_measured_faster():
         assert not lin.rows_kernel_takes(torch.randn(2, 32).bfloat16(), wb, None)
     assert not lin.rows_kernel_takes(torch.randn(1, 32).double(), w.double(), None)
     w = torch.randn(2048, 1024)
-    assert not lin.rows_kernel_takes(torch.randn(fewest, 1024), w.t().contiguous().t(), None)  # column stride
+    assert not lin.rows_kernel_takes(torch.randn(fewest, 512), w[:, ::2], None)  # column stride 2
 
 
 def test_linear_with_autograd_is_f_linear_and_has_gradients():

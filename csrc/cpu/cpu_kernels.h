@@ -241,6 +241,8 @@ struct LinearRowsArgs {
   int64_t in_features = 0, out_features = 0;
   const void* weight = nullptr;      // (out, in), row stride ld_weight, column stride 1
   int64_t ld_weight = 0;
+  bool weight_in_major = false;      // instead: stored (in, out), row stride ld_weight (rows 1..8,
+                                     // x as below; x_t and x_bf16 unused)
   const float* x = nullptr;          // (rows, in) contiguous
   const void* bias = nullptr;        // (out,) contiguous in the weight's dtype, or nullptr
   float* y = nullptr;                // (rows, out) contiguous

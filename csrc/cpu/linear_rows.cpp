@@ -15,9 +15,13 @@
 //  * bf16 weights on AMX (I a multiple of 32): the weight rows read in place as A tiles
 //    (below): 26-27 GB/s for 1-16 rows where oneDNN's bf16 GEMM reads 20-22 (1.2-1.3x up to 64
 //    rows; ops/linear.py has the measurements).
+//  * weights stored in-major, (I, O) rows (W^T as it lies: GPT-2's Conv1D, gpt-oss's and Llama
+//    4's stacked experts read through a transposed view), any dtype, 1-8 rows: y += x[:, i] W^T[i]
+//    row after row of W^T (below).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "cpu/bf16_gemm.h"
 #include "cpu/cpu_kernels.h"
@@ -233,9 +237,142 @@ void linear_rows_amx(const LinearRowsArgs& a) {
 void linear_rows_amx(const LinearRowsArgs&) { TORCH_INTERNAL_ASSERT(false, "linear_rows: AMX at a level without it"); }
 #endif
 
+// ---- weights stored in-major: (I, O) rows, W^T as it lies --------------------------------------
+// y = x W^T as the sum over i of x[:, i] times row i of W^T. Each thread takes a contiguous block
+// of W^T's rows (one contiguous stretch of memory, streamed in order) and accumulates its partial
+// y (rows x O floats, L1/L2-resident) with U rows of W^T per pass: per vector of a row, U weight
+// loads and, for each of the R rows of x, one accumulator load, U FMAs and one store (the x
+// scalars broadcast once per pass, U * R <= 8 registers). The partials are summed at the end
+// (threads x rows x O floats against I x O weights read).
+template <typename T, int R, int U>
+inline void in_major_pass(const LinearRowsArgs& a, int64_t i, float* acc) {
+  using V = Vectorized<float>;
+  constexpr int64_t kV = V::size();
+  const int64_t I = a.in_features, O = a.out_features, full = O / kV * kV;
+  const T* w[U];
+  V xb[U][R];
+  for (int u = 0; u < U; ++u) {
+    w[u] = static_cast<const T*>(a.weight) + (i + u) * a.ld_weight;
+    for (int r = 0; r < R; ++r) xb[u][r] = V(a.x[r * I + i + u]);
+  }
+  for (int64_t o = 0; o < full; o += kV) {
+    V wv[U];
+    for (int u = 0; u < U; ++u) wv[u] = load_acc(w[u] + o);
+    for (int r = 0; r < R; ++r) {
+      V s = V::loadu(acc + r * O + o);
+      for (int u = 0; u < U; ++u) s = at::vec::fmadd(wv[u], xb[u][r], s);
+      s.store(acc + r * O + o);
+    }
+  }
+  for (int64_t o = full; o < O; ++o)
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) acc[r * O + o] += static_cast<float>(w[u][o]) * a.x[r * I + i + u];
+}
+
+// 3-8 rows: the pass above loads and stores each accumulator per U rows of W^T (U = 1-2 there),
+// which bounded it at 10-20 GB/s. Instead a strip of NV vectors of columns keeps its R x NV
+// accumulators in registers over kStripRows rows of W^T (those rows' lines streamed in parallel,
+// each moving on by one strip per step), then adds them to the partial y.
+constexpr int64_t kStripRows = 16;
+
+template <typename T, int R, int NV>
+inline void in_major_strip(const LinearRowsArgs& a, int64_t i0, int64_t i1, int64_t o, float* acc_out) {
+  using V = Vectorized<float>;
+  constexpr int64_t kV = V::size();
+  const int64_t I = a.in_features, O = a.out_features;
+  V acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = V(0.0f);
+  for (int64_t i = i0; i < i1; ++i) {
+    const T* w = static_cast<const T*>(a.weight) + i * a.ld_weight + o;
+    V wv[NV];
+    for (int v = 0; v < NV; ++v) wv[v] = load_acc(w + v * kV);
+    for (int r = 0; r < R; ++r) {
+      const V xb(a.x[r * I + i]);
+      for (int v = 0; v < NV; ++v) acc[r][v] = at::vec::fmadd(wv[v], xb, acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) {
+      float* out = acc_out + r * O + o + v * kV;
+      (V::loadu(out) + acc[r][v]).store(out);
+    }
+}
+
+template <typename T, int R>
+inline void in_major_strips(const LinearRowsArgs& a, int64_t i0, int64_t i1, float* acc) {
+  using V = Vectorized<float>;
+  constexpr int64_t kV = V::size();
+  constexpr int NV = kV == 16 ? (R <= 4 ? 4 : 2) : (R <= 4 ? 2 : 1);  // R x NV + NV + 1 registers
+  const int64_t O = a.out_features, full = O / kV * kV;
+  for (int64_t ib = i0; ib < i1; ib += kStripRows) {
+    const int64_t ie = std::min(i1, ib + kStripRows);
+    int64_t o = 0;
+    for (; o + NV * kV <= full; o += NV * kV) in_major_strip<T, R, NV>(a, ib, ie, o, acc);
+    for (; o < full; o += kV) in_major_strip<T, R, 1>(a, ib, ie, o, acc);
+    for (; o < O; ++o)
+      for (int64_t i = ib; i < ie; ++i) {
+        const float w = static_cast<float>(static_cast<const T*>(a.weight)[i * a.ld_weight + o]);
+        for (int r = 0; r < R; ++r) acc[r * O + o] += w * a.x[r * a.in_features + i];
+      }
+  }
+}
+
+template <typename T, int R>
+void linear_rows_in_major_typed(const LinearRowsArgs& a) {
+  constexpr int U = R == 1 ? 8 : 4;
+  const int64_t I = a.in_features, O = a.out_features;
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), I / 64));
+  const int64_t per_block = (I + blocks - 1) / blocks;
+  std::vector<float> partial(blocks * R * O, 0.0f);
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      float* acc = partial.data() + blk * R * O;
+      const int64_t i1 = std::min(I, (blk + 1) * per_block);
+      int64_t i = blk * per_block;
+      if constexpr (R > 2) {
+        in_major_strips<T, R>(a, i, i1, acc);
+      } else {
+        for (; i + U <= i1; i += U) in_major_pass<T, R, U>(a, i, acc);
+        for (; i < i1; ++i) in_major_pass<T, R, 1>(a, i, acc);
+      }
+    }
+  });
+  at::parallel_for(0, O, 1024, [&](int64_t begin, int64_t end) {
+    for (int r = 0; r < R; ++r)
+      for (int64_t o = begin; o < end; ++o) {
+        float s = a.bias ? static_cast<float>(static_cast<const T*>(a.bias)[o]) : 0.0f;
+        for (int64_t blk = 0; blk < blocks; ++blk) s += partial[(blk * R + r) * O + o];
+        a.y[r * O + o] = s;
+      }
+  });
+}
+
+template <typename T>
+void linear_rows_in_major(const LinearRowsArgs& a) {
+  switch (a.rows) {
+    case 1: return linear_rows_in_major_typed<T, 1>(a);
+    case 2: return linear_rows_in_major_typed<T, 2>(a);
+    case 3: return linear_rows_in_major_typed<T, 3>(a);
+    case 4: return linear_rows_in_major_typed<T, 4>(a);
+    case 5: return linear_rows_in_major_typed<T, 5>(a);
+    case 6: return linear_rows_in_major_typed<T, 6>(a);
+    case 7: return linear_rows_in_major_typed<T, 7>(a);
+    default: return linear_rows_in_major_typed<T, 8>(a);
+  }
+}
+
 }  // namespace
 
 void linear_rows(const LinearRowsArgs& args) {
+  if (args.weight_in_major) {
+    switch (args.dtype) {
+      case DType::f32: return linear_rows_in_major<float>(args);
+      case DType::bf16: return linear_rows_in_major<c10::BFloat16>(args);
+      case DType::f16: return linear_rows_in_major<c10::Half>(args);
+      default: return;
+    }
+  }
   if (args.x_bf16) return linear_rows_amx(args);  // bf16 weights on AMX
   if (args.x_t) return linear_rows_transposed(args);  // f32 weights, 3 or more rows
   switch (args.dtype) {

@@ -13,7 +13,7 @@ transposed (E, D, 2F) layout is read through views), with or without biases, wit
 default gate (``act_fn(gate) * up``, an activation of the fused kernels) or gpt-oss's clamped
 SwiGLU (its ``_apply_gate``, recognized by its bytecode). Not taken: experts without a gate, any
 other ``_apply_gate``, a norm after each expert. A call the kernels do not take (activations in
-another dtype than the weights, expert parallelism's sentinel ids, decode steps of experts
+another dtype than the weights, expert parallelism's sentinel ids, fp32 decode steps of experts
 stored transposed) runs the implementation the module had before conversion. Under
 torch.compile ff.moe_ffn is a custom-op pair: a converted model compiles fullgraph on it.
 
@@ -93,21 +93,23 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     w_gu, w_d, b_gu, b_d = _weights(self)
     if (getattr(self, "_ff_gate", None) is None or getattr(self, "_is_expert_parallel", False)
             or hidden_states.dtype != w_gu.dtype
-            or hidden_states.dim() != 2 or _transposed_decode(self, hidden_states)):
+            or hidden_states.dim() != 2 or _fp32_transposed_decode(self, hidden_states)):
         return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
     return moe_ffn(hidden_states, top_k_index, top_k_weights, w_gu, w_d, b_gu, b_d, **self._ff_gate)
 
 
-# Decode steps (no autograd, up to this many tokens) of experts stored transposed ((E, D, 2F):
-# gpt-oss) run the previous implementation: torch's per-expert GEMV reads a (D, 2F) bf16 weight
-# at 13 GB/s (320 us for 1024 x 2048 on the 2-core Xeon; the few-row kernel reads (out, in) rows
-# at 30 GB/s but not this layout), and a gpt-oss-style token (16 experts of 1024 -> 1024, top 4)
-# took 2.80 ms on ff.moe_ffn against 2.29 on grouped_mm.
+# fp32 decode steps (no autograd, up to this many tokens) of experts stored transposed ((E, D, 2F):
+# gpt-oss) run the previous implementation: a gpt-oss-style step (16 experts of 1024 -> 1024,
+# top 4) took 1.89 ms on ff.moe_ffn against 1.48 on grouped_mm for 1 token, 7.55 against 6.63
+# for 4 (2-core Xeon): MKL's fp32 GEMV reads the transposed weights as fast as linear_rows.cpp,
+# and the clamped SwiGLU's torch ops per expert cost the rest. bf16 steps take ff.moe_ffn
+# (linear_rows.cpp's in-major form): 1.41 against 2.27 ms (1 token), 3.60 against 4.89 (4).
 TRANSPOSED_DECODE_TOKENS = 8
 
 
-def _transposed_decode(m: nn.Module, x: torch.Tensor) -> bool:
-    return m.is_transposed and x.shape[0] <= TRANSPOSED_DECODE_TOKENS and not torch.is_grad_enabled()
+def _fp32_transposed_decode(m: nn.Module, x: torch.Tensor) -> bool:
+    return (m.is_transposed and x.dtype == torch.float32 and x.shape[0] <= TRANSPOSED_DECODE_TOKENS
+            and not torch.is_grad_enabled())
 
 
 def _fallback(m: nn.Module):

@@ -21,6 +21,10 @@ rows 1 1.22x, 2 1.26x, 8 1.29x, 16 1.29x, 32 1.23x, 64 1.23x, 96 1.10x; up to 64
 AMX, bf16 / fp16 weights take the dot form for one row only: with more rows the bf16-to-fp32
 conversion per weight vector made it 0.6-0.9x torch's (which uses AVX512-BF16 dot products there).
 
+Weights stored in-major ((in, out), passed as the transposed view: GPT-2's Conv1D, gpt-oss's and
+Llama 4's stacked experts) take the kernel's in-major form for 1-8 rows (IN_MAJOR_MAX_ROWS below):
+torch reads such a bf16 weight at 8-17 GB/s, the kernel at 20-34.
+
 The weight gradient: autograd's is ``grad.t().mm(input)``, and torch's CPU bf16 mm runs a
 transposed A at 0.83-0.93 TFLOP/s on the 2-core AMX Xeon (SwiGLU (2048, 4096, 11008)'s dW
 shapes; the forward's x W^T runs 1.7-2.0), where weight_grad.cpp's AMX kernel runs 1.5-2.0
@@ -63,6 +67,19 @@ MAX_AMX_ROWS = 64
 # generic code (Zen 5: 14-18 GB/s at 1-2 rows, the kernel 20-61): from one row, any size.
 MKL_MIN_ROWS = 4
 MKL_MIN_WEIGHTS = 1 << 21
+# Weights stored in-major ((in, out) rows, passed as a transposed view: GPT-2's Conv1D, gpt-oss's
+# and Llama 4's stacked experts): torch multiplies x by W^T as it lies (MKL's fp32 GEMV reads it
+# at 29-31 GB/s for one row but 15-19 for 2-8; bf16 at 8-17 GB/s from 1 row), linear_rows.cpp's
+# in-major form streams each thread's block of W^T's rows (2-core AMX Xeon, ours / torch, medians
+# of 9, 768 x 768 / 2304 / 3072 and 3072 x 768 once (cached), 64 x 768^2, 12 x 1024 x 4096 and
+# 16 x 2048 x 1024 in turn (streamed)): fp32 1 row 0.86-1.27x, 2-4 rows 1.03-2.05x, 6-8 rows
+# 1.15-1.83x (0.84-0.91x for the 64 streamed 768^2); bf16 1 row 1.72-3.04x, 2 rows 1.39-2.67x,
+# 3 rows 1.03-2.15x, 4 rows 0.74-1.90x, 8 rows 0.46-1.14x (its 16 FMAs per 32 weights: FMA-
+# bound). The avx2 level on the same CPU: fp32 2-4 rows 0.76-1.99x (streamed 768^2 0.76-0.93x),
+# 6-8 rows 0.39-0.95x; bf16 1 row 1.07-3.03x, 2 rows 1.12-1.99x, 3-4 0.56-2.05x. fp16 weights
+# were not measured: not taken. fp32 calls of one row on MKL's Intel CPUs stay with torch.
+IN_MAJOR_MAX_ROWS = {"avx512": {torch.float32: 8, torch.bfloat16: 3},
+                     "avx2": {torch.float32: 4, torch.bfloat16: 2}}
 
 
 def min_rows(dtype: torch.dtype) -> int:
@@ -84,16 +101,33 @@ def rows_kernel_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool
     if x.dim() == 0 or x.shape[-1] == 0 or torch.compiler.is_compiling():
         return False
     rows = x.numel() // x.shape[-1]  # the cheap tests first: this runs on every decode-time call
-    if not min_rows(x.dtype) <= rows <= max_rows(x.dtype) or not (_plain(x) and _plain(weight)):
+    if weight.dim() == 2 and weight.stride(1) != 1:
+        if not _in_major_takes(x.dtype, weight, rows):
+            return False
+    elif not min_rows(x.dtype) <= rows <= max_rows(x.dtype):
         return False
-    if x.dtype == torch.float32 and weight.numel() < MKL_MIN_WEIGHTS and cpu_gemm.mkl_on_intel():
+    elif x.dtype == torch.float32 and weight.numel() < MKL_MIN_WEIGHTS and cpu_gemm.mkl_on_intel():
+        return False
+    if not (_plain(x) and _plain(weight)):
         return False
     return (x.device.type == "cpu" and weight.device.type == "cpu" and weight.dtype == x.dtype
-            and weight.dim() == 2 and weight.shape[1] == x.shape[-1] and weight.stride(1) == 1
-            and (rows == 1 or x.dtype == torch.float32 or x.shape[-1] % 32 == 0)  # bf16: AMX tile rows
+            and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
+            and (rows == 1 or x.dtype == torch.float32 or x.shape[-1] % 32 == 0  # bf16: AMX tile rows
+                 or weight.stride(1) != 1)
             and (bias is None or (_plain(bias) and bias.dtype == x.dtype
                                   and bias.shape == (weight.shape[0],) and bias.is_contiguous()))
             and _ext.C is not None and hasattr(_ext.C, "linear_rows"))
+
+
+def _in_major_takes(dtype: torch.dtype, weight: Tensor, rows: int) -> bool:
+    """linear_rows.cpp's in-major form takes `rows` rows against this weight (a transposed view of
+    an (in, out) matrix); the measured rule above."""
+    if not (weight.stride(0) == 1 and weight.shape[0] > 1 and weight.shape[1] > 1
+            and weight.stride(1) >= weight.shape[0]):
+        return False
+    if rows < 1 or rows > IN_MAJOR_MAX_ROWS.get(_ext.cpu_level(), {}).get(dtype, 0):
+        return False
+    return rows > 1 or dtype != torch.float32 or not cpu_gemm.mkl_on_intel()
 
 
 def rows_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:

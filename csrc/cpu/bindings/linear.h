@@ -7,23 +7,28 @@ namespace cpu_bindings {
 
 // linear_rows(x (rows, in), weight (out, in), bias) -> x W^T + b in x's dtype: rows <= 8 any
 // weight dtype, more rows f32 only. x is converted to f32 (f32, 3 or more rows: transposed, the
-// rows zero-padded to a multiple of 16), the weight and bias are read in place.
+// rows zero-padded to a multiple of 16), the weight and bias are read in place. A weight whose
+// columns are contiguous instead (a transposed view of an (in, out) matrix) takes the in-major
+// form, 1..8 rows.
 inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<Tensor>& bias) {
   check_cpu(weight, "linear_rows");
   const auto wt = weight.scalar_type();
-  TORCH_CHECK(weight.dim() == 2 && (weight.stride(1) == 1 || weight.size(1) <= 1) &&
+  const bool in_major = weight.dim() == 2 && weight.stride(0) == 1 && weight.size(0) > 1 &&
+                        weight.size(1) > 1 && weight.stride(1) >= weight.size(0);
+  TORCH_CHECK(weight.dim() == 2 && (weight.stride(1) == 1 || weight.size(1) <= 1 || in_major) &&
                   (wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf),
               "fastformer._C.linear_rows: weight must be an f32/bf16/f16 (out, in) matrix with "
-              "contiguous rows");
+              "contiguous rows or contiguous columns");
   // bf16 weights on AMX tiles (in_features a multiple of 32): one row 26.9 GB/s against the
   // dot form's 25.7 (linear_rows.cpp)
-  const bool amx = wt == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 && x.size(1) % 32 == 0 &&
-                   cpu::bf16_gemm_mode() == cpu::Bf16Gemm::kAmx;
+  const bool amx = !in_major && wt == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 &&
+                   x.size(1) % 32 == 0 && cpu::bf16_gemm_mode() == cpu::Bf16Gemm::kAmx;
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == weight.size(1) &&
-                  x.scalar_type() == wt && (x.size(0) <= 8 || wt == at::kFloat || amx),
+                  x.scalar_type() == wt && (x.size(0) <= 8 || (!in_major && (wt == at::kFloat || amx))),
               "fastformer._C.linear_rows: x must be (rows, in) in the weight's dtype, 1..8 rows "
-              "unless the weight is f32 (or bf16 on AMX with in a multiple of 32)");
-  const bool transposed = x.size(0) > 2 && wt == at::kFloat;  // measured: linear_rows.cpp
+              "unless the weight is f32 with contiguous rows (or bf16 on AMX with in a multiple "
+              "of 32)");
+  const bool transposed = !in_major && x.size(0) > 2 && wt == at::kFloat;  // measured: linear_rows.cpp
   Tensor xf;
   if (amx) {
     xf = x.contiguous();
@@ -46,7 +51,8 @@ inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<
   a.in_features = weight.size(1);
   a.out_features = weight.size(0);
   a.weight = weight.data_ptr();
-  a.ld_weight = weight.stride(0);
+  a.ld_weight = in_major ? weight.stride(1) : weight.stride(0);
+  a.weight_in_major = in_major;
   if (amx) {
     a.x_bf16 = xf.data_ptr();
   } else if (transposed) {
