@@ -333,3 +333,55 @@ def test_decode_time_mlp_call(activation, gated):
         assert calls == ([] if rows <= hf_mlp_forms.DECODE_ROWS and not grad else
                          ["swiglu_ffn" if gated else "ffn"]), (rows, grad, calls)
         torch.testing.assert_close(y.double(), exact(x), atol=1e-5, rtol=1e-5)
+
+
+# ---- what a form must not match ------------------------------------------------------------------
+def test_nanochat_rotary_with_flipped_signs_is_not_llamas():
+    """NanoChat's apply_rotary_pos_emb has Llama's bytecode but calls its own rotate_half, whose
+    signs are flipped: the form includes the functions a forward reaches, so its attention keeps
+    its own rotation (ff.convert once rotated q and k Llama's way: logits off by 5e-3 of their
+    scale); the converted model matches eager on the logits and every gradient."""
+    if not hasattr(transformers, "NanoChatConfig"):
+        pytest.skip("this transformers has no NanoChat")
+    model = random_model(transformers.NanoChatForCausalLM, transformers.NanoChatConfig(**DECODER))
+    report = ff.convert(model, inplace=False)
+    assert not any("rotary" in kind for _, _, kind in report.replaced), str(report)
+    out, grads = _run(report.model, _inputs("nanochat"))
+    ref, ref_grads = _run(copy.deepcopy(model).double(), _inputs("nanochat"))
+    assert_model_matches(out, grads, ref, ref_grads)
+
+
+def test_class_form_includes_the_methods_a_forward_calls():
+    """Two modules with the same forward calling self._norm, one of them a different _norm: not
+    the same form (Llama 4's RMSNorm forward with another normalization must not be converted)."""
+    from fastformer.integrations.hf_rotary import class_form
+    from transformers.models.llama4 import modeling_llama4 as l4
+
+    class OtherNorm(l4.Llama4TextRMSNorm):
+        def _norm(self, x):
+            return x / (x.abs().mean(-1, keepdim=True) + self.eps)
+
+    OtherNorm.__module__ = l4.__name__
+    OtherNorm._norm.__module__ = l4.__name__
+    assert class_form(OtherNorm) != class_form(l4.Llama4TextRMSNorm)
+    assert class_form(type("Same", (l4.Llama4TextRMSNorm,), {"__module__": l4.__name__})) == \
+        class_form(l4.Llama4TextRMSNorm)
+
+
+def test_model_whose_attention_is_eager_only_keeps_it():
+    """GIT's text attention computes softmax(QK^T + mask) itself, on a mask transformers builds
+    for config._attn_implementation: a model transformers runs only as eager (no sdpa, no attention
+    backend) keeps its implementation (ff.convert once set "fastformer": logits 3e-2 off); its
+    layers are converted and match."""
+    config = transformers.GitConfig(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0, vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                                       num_attention_heads=2, image_size=32, patch_size=8))
+    model = random_model(transformers.GitForCausalLM, config)
+    report = ff.convert(model, inplace=False)
+    assert report.model.config._attn_implementation == "eager"
+    assert any("eager only" in why for _, _, why in report.left), str(report)
+    assert any("add_layer_norm" in kind or "ff.ffn" in kind for _, _, kind in report.replaced), str(report)
+    out, grads = _run(report.model, _inputs("git"))
+    ref, ref_grads = _run(copy.deepcopy(model).double(), _inputs("git"))
+    assert_model_matches(out, grads, ref, ref_grads)

@@ -22,6 +22,7 @@ from oracle import check
 transformers = pytest.importorskip(
     "transformers", reason="transformers is not installed (optional: pip install transformers)")
 
+import fastformer as ff  # noqa: E402
 import fastformer.integrations.transformers as ff_hf  # noqa: E402
 import fastformer.ops.attention as ff_attention  # noqa: E402
 from fastformer import backends  # noqa: E402
@@ -441,3 +442,72 @@ def test_mistral_full_cache_decoding_takes_the_window():
     decode = [c for c in calls if c["q"][2] == 1]
     assert decode and all(c["causal"] == 2 and c["window"][0] == 3 for c in decode)
     assert all(c["attn_mask"] is None and c["key_padding"] for c in calls)
+
+
+# ---- keywords the kernels do not take: the family's eager attention, with the mask converted ----
+@pytest.fixture
+def dispatches(monkeypatch):
+    """Every Dispatch recorded while the test runs."""
+    seen = []
+    real = backends.record
+    monkeypatch.setattr(backends, "record", lambda d: (seen.append(d), real(d))[1])
+    return seen
+
+
+@pytest.fixture
+def every_keyword_unknown(monkeypatch, dispatches):
+    """Every keyword a model passes counts as one the kernels do not take (position_ids,
+    use_cache, ...): each call runs the family's eager_attention_forward through _family_eager,
+    given each of build_mask()'s mask forms converted to eager's additive one."""
+    monkeypatch.setattr(ff_hf, "_NO_EFFECT", frozenset())
+    return dispatches
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_unknown_keywords_run_the_family_eager_attention(family, every_keyword_unknown):
+    """A keyword the kernels do not know with a value is never dropped: the call runs the family's
+    own eager attention, on the key masks (causal, sliding window, padding) build_mask made;
+    logits and every gradient as eager's, the reason in last_dispatch()."""
+    if family == "mistral":
+        case = (transformers.MistralConfig, transformers.MistralForCausalLM, None, dict(sliding_window=7))
+    else:
+        case = (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, None,
+                dict(sliding_window=7, attn_logit_softcapping=3.0, query_pre_attn_scalar=16,
+                     layer_types=["sliding_attention", "full_attention"]))
+    config_cls, model_cls, prepare, config = case
+    fp32, _, calls = _lm_case(config_cls, model_cls, prepare, **config)
+    assert not calls  # the kernels never ran
+    fell_back = [d for d in every_keyword_unknown if d is not None and d.impl == "eager_attention_forward"]
+    assert fell_back and "position_ids" in str(fell_back[0]), [str(d) for d in every_keyword_unknown]
+
+
+def test_unknown_keywords_with_t5s_relative_bias(every_keyword_unknown):
+    """A converted T5 (its bias as the kernels' placeholder) through the fallback: the bias is
+    materialized for eager; encoder padding, decoder causality and the cross-attention mask."""
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_heads=4,
+                                   dropout_rate=0.0, attn_implementation="eager", decoder_start_token_id=0)
+    eager = transformers.T5ForConditionalGeneration(config).eval()
+    ours = ff.convert(eager, inplace=False).model
+    ids, mask, _ = _inputs(left=False)
+    inputs = dict(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :9], output_hidden_states=True)
+    with torch.no_grad():
+        _rel_err("logits", ours(**inputs).logits, eager(**inputs).logits, rel=1e-5)
+    assert any(d is not None and d.impl == "eager_attention_forward" for d in every_keyword_unknown)
+
+
+def test_per_query_sinks_run_the_family_eager_attention(dispatches):
+    """Inkling 2 passes `sinks` of shape (B, H, Lq, 1), one logit per query (gpt-oss's are one per
+    head): not the kernels' sinks, so its eager attention runs, and the model matches eager."""
+    if not hasattr(transformers, "Inkling2TextConfig"):
+        pytest.skip("this transformers has no Inkling 2")
+    ours, eager = _models(transformers.Inkling2TextConfig, transformers.Inkling2ForCausalLM,
+                          vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          max_position_embeddings=128, num_local_experts=4, num_experts=4,
+                          num_experts_per_tok=2, moe_intermediate_size=48)
+    ids = _inputs(pad=0)[0]
+    with torch.no_grad():
+        _rel_err("logits", ours(input_ids=ids).logits, eager(input_ids=ids).logits, rel=1e-5)
+    assert any(d is not None and d.impl == "eager_attention_forward" and "sinks of shape" in str(d)
+               for d in dispatches)

@@ -92,7 +92,7 @@ from .hf_mlp_forms import same_dtype as _same_dtype
 from .hf_residual import RMSNormMixin as _RMSNorm
 from .hf_residual import add_norm as _add_norm
 from .hf_residual import layer_norm_added as _layer_norm_added
-from .hf_rotary import code_form, convert_rotary_attention, rotary_mixin
+from .hf_rotary import calls_attention_interface, class_form, convert_rotary_attention, rotary_mixin
 from .hf_seq2seq_forms import seq2seq_forms
 
 _SWAPPED: dict = {}
@@ -487,17 +487,18 @@ _CONVERTERS.update({
 # BERT's) get the same conversion: transformers writes most decoder models from Llama's modules
 # ("modular" files), so Mixtral's, Qwen-MoE's, DeepSeek-V3's, gpt-oss's and Phi-3's RMSNorms,
 # SmolLM3's and OLMoE's MLPs and decoder layers, ... run the code the families above run. The
-# test is the forward's bytecode, names and local names (hf_rotary.code_form): the same attributes,
-# called in the same order, with the same arithmetic.
+# test is the forward's bytecode, names and local names, and those of the family's functions and
+# the class's methods it calls (hf_rotary.class_form): the same attributes, called in the same
+# order, with the same arithmetic.
 def _convert_bert_form_layer(m: nn.Module) -> Optional[str]:
     """A layer whose forward is BertLayer's: converted as BertLayer where its feed-forward chunk,
     intermediate and output are BERT's too."""
     from transformers.models.bert import modeling_bert as bert
-    forms = [(m, "feed_forward_chunk", bert.BertLayer.feed_forward_chunk),
-             (getattr(m, "intermediate", None), "forward", bert.BertIntermediate.forward),
-             (getattr(m, "output", None), "forward", bert.BertOutput.forward)]
-    if any(getattr(type(obj), name, None) is None or code_form(getattr(type(obj), name)) != code_form(bert_fn)
-           for obj, name, bert_fn in forms):
+    forms = [(m, "feed_forward_chunk", bert.BertLayer),
+             (getattr(m, "intermediate", None), "forward", bert.BertIntermediate),
+             (getattr(m, "output", None), "forward", bert.BertOutput)]
+    if any(getattr(type(obj), name, None) is None or class_form(type(obj), name) != class_form(bert_cls, name)
+           for obj, name, bert_cls in forms):
         return "its feed-forward chunk, intermediate or output is not BERT's"
     return _convert_bert_layer(m)
 
@@ -519,24 +520,24 @@ def _forms() -> dict:
     from transformers.models.mixtral import modeling_mixtral
     from transformers.models.siglip import modeling_siglip as siglip
     return {
-        **seq2seq_forms(code_form, _swap),
-        code_form(siglip.SiglipEncoderLayer.forward): lambda m: _swap(m, _PreNormEncoderLayer),
-        code_form(bert.BertSelfOutput.forward): _convert_bert_form_add_norm,
-        code_form(bert.BertOutput.forward): _convert_bert_form_add_norm,
-        code_form(bert.BertLayer.forward): _convert_bert_form_layer,
-        code_form(llama.LlamaRMSNorm.forward): lambda m: _convert_rms(m, False),
-        code_form(modeling_gemma.GemmaRMSNorm.forward): lambda m: _convert_rms(m, True),
-        code_form(llama.LlamaMLP.forward): _convert_gated_mlp,
-        code_form(llama.LlamaDecoderLayer.forward): lambda m: _swap(m, _PreNormDecoderLayer),
-        code_form(modeling_gemma2.Gemma2DecoderLayer.forward): lambda m: _swap(m, _SandwichDecoderLayer),
-        code_form(llama.LlamaForCausalLM.forward): _convert_llama_form_lm,
-        code_form(modeling_mixtral.MixtralForCausalLM.forward): _convert_moe_form_lm,
+        **seq2seq_forms(class_form, _swap),
+        class_form(siglip.SiglipEncoderLayer): lambda m: _swap(m, _PreNormEncoderLayer),
+        class_form(bert.BertSelfOutput): _convert_bert_form_add_norm,
+        class_form(bert.BertOutput): _convert_bert_form_add_norm,
+        class_form(bert.BertLayer): _convert_bert_form_layer,
+        class_form(llama.LlamaRMSNorm): lambda m: _convert_rms(m, False),
+        class_form(modeling_gemma.GemmaRMSNorm): lambda m: _convert_rms(m, True),
+        class_form(llama.LlamaMLP): _convert_gated_mlp,
+        class_form(llama.LlamaDecoderLayer): lambda m: _swap(m, _PreNormDecoderLayer),
+        class_form(modeling_gemma2.Gemma2DecoderLayer): lambda m: _swap(m, _SandwichDecoderLayer),
+        class_form(llama.LlamaForCausalLM): _convert_llama_form_lm,
+        class_form(modeling_mixtral.MixtralForCausalLM): _convert_moe_form_lm,
         # Llama's layer but for the keywords it passes to self_attn (no use_cache): Mixtral, ...
-        code_form(modeling_mixtral.MixtralDecoderLayer.forward): lambda m: _swap(m, _PreNormDecoderLayer),
-        code_form(l4.Llama4TextRMSNorm.forward): lambda m: _convert_rms(m, False),
-        code_form(l4.Llama4TextDecoderLayer.forward): lambda m: _swap(m, _Llama4DecoderLayer),
-        code_form(l4.Llama4TextMoe.forward): lambda m: hf_moe.convert_input_weighted_moe(m, _swap),
-        code_form(l4.Llama4ForCausalLM.forward): _convert_llama_form_lm,
+        class_form(modeling_mixtral.MixtralDecoderLayer): lambda m: _swap(m, _PreNormDecoderLayer),
+        class_form(l4.Llama4TextRMSNorm): lambda m: _convert_rms(m, False),
+        class_form(l4.Llama4TextDecoderLayer): lambda m: _swap(m, _Llama4DecoderLayer),
+        class_form(l4.Llama4TextMoe): lambda m: hf_moe.convert_input_weighted_moe(m, _swap),
+        class_form(l4.Llama4ForCausalLM): _convert_llama_form_lm,
     }
 
 
@@ -546,7 +547,7 @@ def _converter_by_form(cls: type) -> Optional[Callable]:
     attention module: its module's apply_rotary_pos_emb, hf_rotary.rotary_mixin), else None."""
     if not cls.__module__.startswith("transformers.") or not hasattr(cls, "forward"):
         return None
-    convert = _forms().get(code_form(cls.forward))
+    convert = _forms().get(class_form(cls))
     if convert is None and cls.__name__.endswith("Attention") and rotary_mixin(cls)[0] is not None:
         convert = lambda m: convert_rotary_attention(m, _swap)  # noqa: E731
     return convert
@@ -571,8 +572,15 @@ def convert_transformers(model: nn.Module, replaced: list, left: list, loss: boo
     (path, type, what) to ``replaced`` and (path, type, reason) to ``left``."""
     from . import transformers as ff_hf
     ff_hf.register()
-    model.set_attn_implementation(ff_hf.NAME)
-    replaced.append(("", type(model).__name__, f"attention: attn_implementation={ff_hf.NAME!r}"))
+    # Our attention function stands in for sdpa: a model transformers runs only as eager (GIT,
+    # whose text attention adds the mask built for config._attn_implementation itself) keeps it.
+    takes_sdpa = bool(getattr(model, "_supports_sdpa", False) or getattr(model, "_supports_attention_backend", False))
+    if takes_sdpa and any(calls_attention_interface(type(m)) for m in model.modules()):
+        model.set_attn_implementation(ff_hf.NAME)
+        replaced.append(("", type(model).__name__, f"attention: attn_implementation={ff_hf.NAME!r}"))
+    else:
+        left.append(("", type(model).__name__, "transformers runs its attention as eager only (no sdpa, no "
+                     "attention backend): attn_implementation left as it was"))
     experts = []
     for path, m in model.named_modules():
         if hf_moe.is_experts(m):

@@ -38,7 +38,7 @@ from torch import nn
 
 from ..ops.moe import moe_ffn
 from .hf_mlp_forms import activation_name
-from .hf_rotary import code_form
+from .hf_rotary import class_form
 
 NAME = "fastformer"
 _FALLBACK_ATTR = "_ff_experts_fallback"
@@ -60,7 +60,7 @@ def _gate_of(m: nn.Module):
     interleaved = not m.is_concatenated
     apply_gate = getattr(type(m), "_apply_gate", _default_apply_gate)
     if apply_gate is not _default_apply_gate:
-        if code_form(apply_gate) != _clamped_swiglu_form():
+        if class_form(type(m), "_apply_gate") != _clamped_swiglu_form():
             return None, f"{type(m).__name__}._apply_gate is neither act(gate) * up nor gpt-oss's clamped SwiGLU"
         return dict(activation="clamped_swiglu", interleaved=True, swiglu_alpha=float(m.alpha),
                     swiglu_limit=float(m.limit)), None
@@ -73,7 +73,7 @@ def _gate_of(m: nn.Module):
 @functools.lru_cache(maxsize=None)
 def _clamped_swiglu_form():
     from transformers.models.gpt_oss import modeling_gpt_oss
-    return code_form(modeling_gpt_oss.GptOssExperts._apply_gate)
+    return class_form(modeling_gpt_oss.GptOssExperts, "_apply_gate")
 
 
 def _weights(m: nn.Module):
@@ -145,7 +145,7 @@ class InputWeightedMoE:
 @functools.lru_cache(maxsize=None)
 def _llama4_forms():
     from transformers.models.llama4 import modeling_llama4 as l4
-    return code_form(l4.Llama4Router.forward), code_form(l4.Llama4TextExperts.forward)
+    return class_form(l4.Llama4Router), class_form(l4.Llama4TextExperts)
 
 
 def convert_input_weighted_moe(m: nn.Module, swap) -> Optional[str]:
@@ -153,9 +153,9 @@ def convert_input_weighted_moe(m: nn.Module, swap) -> Optional[str]:
     router_form, experts_form = _llama4_forms()
     router, experts = getattr(m, "router", None), getattr(m, "experts", None)
     if (not isinstance(router, nn.Linear) or router.bias is not None
-            or code_form(type(router).forward) != router_form):
+            or class_form(type(router)) != router_form):
         return "its router is not Llama 4's (a linear without bias, sigmoid of the top-k logits)"
-    if experts is None or code_form(type(experts).forward) != experts_form:
+    if experts is None or class_form(type(experts)) != experts_form:
         return "its experts are not Llama 4's (stacked (E, D, 2F) gate / up and (E, F, D) down weights)"
     act = activation_name(getattr(experts, "act_fn", None))
     if act is None:

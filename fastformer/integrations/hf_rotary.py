@@ -131,23 +131,57 @@ def _innermost(fn: Callable) -> Callable:
     return fn
 
 
-def code_form(fn: Callable):
+def code_form(fn: Callable, owner: Optional[type] = None, _seen: Optional[set] = None):
     """A function's bytecode, constants (less its docstring), global names and local names (None
-    without code): equal for two functions that run the same instructions on the same names
-    and numbers."""
+    without code), with the forms of the functions it reaches by those names: a transformers
+    model module's functions among its globals (a family's own rotate_half: NanoChat's flips the
+    signs of Llama's, under the same apply_rotary_pos_emb) and, with `owner`, that class's
+    methods (``self._norm``). Equal for two functions that run the same instructions on the same
+    names and numbers."""
     fn = _innermost(fn)
     code = getattr(fn, "__code__", None)
     if code is None:
         return None
+    seen = set() if _seen is None else _seen
+    seen.add(fn)
     consts = code.co_consts  # the first is the docstring (None without one): not compared
     consts = consts[1:] if consts and isinstance(consts[0], str) else consts
-    return code.co_code, consts, code.co_names, code.co_varnames
+    reached = []
+    for name in code.co_names:
+        target = fn.__globals__.get(name)
+        if not (isinstance(target, types.FunctionType) and target.__module__.startswith("transformers.models.")):
+            target = getattr(owner, name, None) if owner is not None else None
+            if not (isinstance(target, types.FunctionType) and target.__module__.startswith("transformers.")):
+                continue
+        if _innermost(target) not in seen:
+            reached.append((name, code_form(target, owner, seen)))
+    return code.co_code, consts, code.co_names, code.co_varnames, tuple(reached)
+
+
+def class_form(cls: type, method: str = "forward"):
+    """code_form of cls's method, with the forms of the class's methods it calls."""
+    return code_form(getattr(cls, method), owner=cls)
 
 
 @functools.lru_cache(maxsize=None)
 def _llama_form():
     from transformers.models.llama import modeling_llama
     return code_form(modeling_llama.apply_rotary_pos_emb)
+
+
+@functools.lru_cache(maxsize=None)
+def calls_attention_interface(cls: type) -> bool:
+    """cls's forward (or a module-level function it calls) reads transformers'
+    ALL_ATTENTION_FUNCTIONS: its attention follows config._attn_implementation."""
+    forward = getattr(cls, "forward", None)
+    code = getattr(_innermost(forward), "__code__", None) if forward is not None else None
+    if code is None or not cls.__module__.startswith("transformers."):
+        return False
+    if "ALL_ATTENTION_FUNCTIONS" in code.co_names:
+        return True
+    globals_ = _innermost(forward).__globals__
+    return any("ALL_ATTENTION_FUNCTIONS" in getattr(getattr(globals_.get(name), "__code__", None), "co_names", ())
+               for name in code.co_names)
 
 
 _MIXINS: dict = {}
@@ -181,4 +215,4 @@ def convert_rotary_attention(m: nn.Module, swap: Callable) -> Optional[str]:
     return None
 
 
-__all__ = ["convert_rotary_attention"]
+__all__ = ["calls_attention_interface", "class_form", "code_form", "convert_rotary_attention"]

@@ -4,7 +4,7 @@ block on ``ff.ffn`` and every residual add fused into the norm that reads it.
 transformers writes the layers of its encoder-decoder (and some decoder-only) families inline,
 ``fc1`` / ``fc2`` and the LayerNorms as attributes of the layer, with no MLP module to convert.
 Two forms cover most of them; a layer qualifies when its forward is one of them instruction for
-instruction (hf_rotary.code_form):
+instruction (hf_rotary.class_form):
 
   post-norm (BART)    x = LN_a(x + drop(attn(x))); [x = LN_c(x + drop(cross(x)))];
                       x = LN_f(x + drop(fc2(drop_act(act(fc1(x))))))
@@ -154,9 +154,9 @@ def _form_mixins() -> tuple:
             (whisper.WhisperDecoderLayer, _WhisperFormDecoderLayer), (mbart.MBartDecoderLayer, _WhisperFormDecoderLayer))
 
 
-def seq2seq_forms(code_form: Callable, swap: Callable) -> dict:
+def seq2seq_forms(class_form: Callable, swap: Callable) -> dict:
     """{code form of a layer's forward: its converter} for hf_convert's table of forms."""
-    return {code_form(cls.forward): _converter(mixin, swap) for cls, mixin in _form_mixins()}
+    return {class_form(cls): _converter(mixin, swap) for cls, mixin in _form_mixins()}
 
 
 __all__ = ["seq2seq_forms"]

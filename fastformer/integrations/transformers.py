@@ -111,8 +111,18 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     attention_mask None / a (B, Lk) key mask / 4D bool (True = attend) or float (added),
     broadcastable to (B, H, Lq, Lk) (see the module docstring for how each is read). Returns
     (output (B, Lq, H, D), None)."""
-    B, _, Lq, _ = query.shape
+    B, H, Lq, _ = query.shape
     Lk = key.shape[2]
+    sinks = kwargs.pop("sinks", None)
+    if s_aux is None and isinstance(sinks, Tensor) and sinks.dim() == 1 and sinks.shape[0] == H:
+        s_aux, sinks = sinks, None
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in _NO_EFFECT)
+    if sinks is not None:
+        unknown.append(f"sinks of shape {tuple(sinks.shape)} (per query)")
+        kwargs["sinks"] = sinks
+    if unknown:
+        return _family_eager(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                             sliding_window, softcap, s_aux, position_bias, unknown, kwargs)
     packed = _packed_sequences(attention_mask, kwargs, B, Lq, Lk)
     if packed is not None:
         return _varlen_forward(module, query, key, value, packed, dropout, scaling, is_causal,
@@ -166,6 +176,69 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                     softcap=softcap if softcap else None, sinks=s_aux, position_bias=relative)
     # (B, H, Lq, D) stored as (B, Lq, H, D): the transpose is the contiguous tensor, no copy.
     return out.transpose(1, 2), None
+
+
+# Keywords transformers' models pass the attention function that do not change its result (the
+# packing keywords are read by _packed_sequences). Any other one with a value runs the family's
+# own eager attention function (_family_eager): a keyword ignored is a wrong answer (Inkling 2's
+# per-query `sinks` were, before this check).
+_NO_EFFECT = frozenset({"position_ids", "use_cache", "output_attentions", "output_hidden_states",
+                        "output_router_logits", "return_dict", "cache_position", "cu_seq_lens_q",
+                        "cu_seq_lens_k", "max_length_q", "max_length_k", "layer_idx"})
+
+
+def _family_eager(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                  sliding_window, softcap, s_aux, position_bias, unknown: list, kwargs: dict):
+    """The call through the module's family's ``eager_attention_forward``, given the additive
+    float mask it expects, for keywords the kernels do not take; the reason in last_dispatch()."""
+    import sys
+    from .. import backends
+    family = sys.modules.get(type(module).__module__)
+    eager = getattr(family, "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(f"fastformer attention: {type(module).__name__} passes {', '.join(unknown)}, "
+                         f"which the kernels do not take, and its module has no eager_attention_forward "
+                         f"to run instead; use attn_implementation='eager'")
+    B, _, Lq, _ = query.shape
+    Lk = key.shape[2]
+    mask = _additive_mask(attention_mask, module, is_causal, sliding_window, B, Lq, Lk, query.dtype)
+    relative = getattr(position_bias, _REL_BIAS_TAG, None)
+    if relative is not None:  # a converted T5's placeholder: the (1, H, Lq, Lk) bias itself
+        position_bias = relative[0].materialize(Lq, Lk, relative[1])
+    named = dict(dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap,
+                 s_aux=s_aux, position_bias=position_bias)
+    out = eager(module, query, key, value, mask, **{k: v for k, v in named.items() if v is not None}, **kwargs)
+    backends.record(backends.Dispatch(
+        "attention", "reference", False,
+        {"fastformer": [f"{type(module).__name__} passes {', '.join(unknown)}: its family's "
+                        f"eager_attention_forward ran"]}, impl="eager_attention_forward"))
+    return out
+
+
+def _additive_mask(attention_mask, module, is_causal, sliding_window, B, Lq, Lk, dtype) -> Optional[Tensor]:
+    """Any mask build_mask() returns (key mask, 4D bool / float, None) as eager's additive float
+    (B or 1, 1, Lq, Lk) mask (0 where attended, the dtype's min elsewhere)."""
+    if attention_mask is not None and attention_mask.dim() == 4:
+        allowed = attention_mask
+    else:
+        tag = getattr(attention_mask, _KEY_MASK_TAG, None)
+        if tag is not None:
+            causal, left = True, tag[0]
+        else:
+            causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+            left = int(sliding_window) - 1 if causal and sliding_window else -1
+        device = attention_mask.device if attention_mask is not None else None
+        i = torch.arange(Lq, device=device)[:, None] + (Lk - Lq)
+        j = torch.arange(Lk, device=device)[None, :]
+        allowed = (j <= i) if causal else torch.ones(Lq, Lk, dtype=torch.bool, device=device)
+        if left >= 0:
+            allowed = allowed & (j >= i - left)
+        allowed = allowed[None, None]
+        if attention_mask is not None:
+            allowed = allowed & attention_mask[:, -Lk:].bool()[:, None, None, :]
+    if allowed.dtype != torch.bool:
+        return allowed.to(dtype)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def _packed_sequences(attention_mask, kwargs: dict, B: int, Lq: int, Lk: int):
