@@ -27,13 +27,19 @@ transformers        ``ff.attention``
                     out when it holds every key (Lk <= sliding_window)
 ``softcap``         ``softcap`` (Gemma 2: ``c * tanh(s / c)`` before the mask)
 ``s_aux``           ``sinks`` (gpt-oss: one logit per head in every softmax denominator; its
-                    gradient comes from the backward)
+                    gradient comes from the backward); ``sinks`` of shape (H,) the same
 ``position_bias``   a float ``attn_mask`` added to the scores (T5's (1, H, Lq, Lk) bias, which
                     requires grad in training: its gradient comes from the backward), combined
                     with the model's mask: bool -> -inf where masked, float -> added; after
                     ``ff.convert``, T5's bias arrives as relative_bias_placeholder()'s tag and
                     runs as ``ff.attention(position_bias=RelativePositionBias)`` (in-kernel)
 ==================  ===========================================================================
+
+Any other keyword with a value (Inkling 2's per-query ``sinks``, a head mask, ...), except those
+that do not change the result (``position_ids``, ``use_cache``, the packing keywords, ...:
+``_NO_EFFECT``), runs the call through the family's own ``eager_attention_forward`` with the mask
+converted to eager's additive form; ``ff.last_dispatch()`` names the keyword. A keyword dropped
+would be a wrong answer.
 
 Masks. transformers builds one mask per layer type and forward through
 ``AttentionMaskInterface[name]``; :func:`build_mask` returns one of three forms, and
