@@ -90,6 +90,10 @@ from .hf_mlp_forms import activation_name as _activation
 from .hf_mlp_forms import convert_mlp_by_form, mlp_candidate, model_ffn, model_swiglu_ffn
 from .hf_mlp_forms import same_dtype as _same_dtype
 from .hf_residual import RMSNormMixin as _RMSNorm
+from .hf_residual import Llama4DecoderLayer as _Llama4DecoderLayer
+from .hf_residual import PreNormDecoderLayer as _PreNormDecoderLayer
+from .hf_residual import PreNormEncoderLayer as _PreNormEncoderLayer
+from .hf_residual import SandwichDecoderLayer as _SandwichDecoderLayer
 from .hf_residual import add_norm as _add_norm
 from .hf_residual import layer_norm_added as _layer_norm_added
 from .hf_rotary import calls_attention_interface, class_form, convert_rotary_attention, rotary_mixin
@@ -148,45 +152,6 @@ def _convert_rms(m: nn.Module, offset: bool) -> Optional[str]:
     return None
 
 
-# ---- decoder layers (Llama, Mistral, Qwen2/3, Gemma) ---------------------------------------------
-class _PreNormDecoderLayer:
-    """residual + mlp(norm2(residual + attn(norm1(x)))) with norm2's add fused."""
-    _ff_what = "residual add fused into post_attention_layernorm"
-
-    def forward(self, hidden_states, *args, **kwargs):
-        if args or kwargs.get("output_attentions"):
-            return super().forward(hidden_states, *args, **kwargs)
-        residual = hidden_states
-        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
-        h, residual = _add_norm(self.post_attention_layernorm, h, residual)
-        return residual + self._ff_mlp(h)
-
-    def _ff_mlp(self, h):
-        return self.mlp(h)
-
-
-class _Llama4DecoderLayer(_PreNormDecoderLayer):
-    """Llama 4's: the MLP is feed_forward, and a MoE block's returns (flattened rows, logits)."""
-
-    def _ff_mlp(self, h):
-        out = self.feed_forward(h)
-        return (out[0] if self.is_moe_layer else out).view(h.shape)
-
-
-class _SandwichDecoderLayer:
-    """Gemma 2/3: the attention and MLP outputs normed before their residual adds; the add of the
-    attention branch fused into the MLP's pre-norm."""
-    _ff_what = "residual add fused into pre_feedforward_layernorm"
-
-    def forward(self, hidden_states, *args, **kwargs):
-        if args or kwargs.get("output_attentions"):
-            return super().forward(hidden_states, *args, **kwargs)
-        residual = hidden_states
-        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
-        h, residual = _add_norm(self.pre_feedforward_layernorm, self.post_attention_layernorm(h), residual)
-        return residual + self.post_feedforward_layernorm(self.mlp(h))
-
-
 class _GatedMLP:
     _ff_what = "ff.swiglu_ffn"
 
@@ -212,22 +177,6 @@ def _convert_gated_mlp(m: nn.Module) -> Optional[str]:
     if not all(isinstance(getattr(m, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
         return "not gate_proj / up_proj / down_proj linears"
     return _convert_act(m, getattr(m, "act_fn", None), _GatedMLP)
-
-
-class _PreNormEncoderLayer:
-    """CLIP's and SigLIP's encoder layer (and the vision towers written from it: Idefics 2/3,
-    SmolVLM, OWL-ViT, GIT, Janus, ...): layer_norm2's residual add fused. The stream it returns
-    is written contiguous: SigLIP's starts channels-strided (its patch embedding's conv output
-    transposed), a layout every eager residual add after it keeps."""
-    _ff_what = "residual add fused into layer_norm2"
-
-    def forward(self, hidden_states, attention_mask=None, **kwargs):
-        if kwargs.get("output_attentions"):
-            return super().forward(hidden_states, attention_mask, **kwargs)
-        residual = hidden_states
-        h, _ = self.self_attn(hidden_states=self.layer_norm1(hidden_states), attention_mask=attention_mask, **kwargs)
-        h, residual = _add_norm(self.layer_norm2, h, residual)
-        return residual + self.mlp(h)
 
 
 # ---- encoders (BERT, RoBERTa, DistilBERT, ViT) and GPT-2 ------------------------------------------

@@ -5,7 +5,9 @@ A residual block ``norm(x + residual)`` written eagerly reads and writes the str
 (the add, the norm's statistics, its output); ``ff.add_layer_norm`` / ``ff.rms_norm(...,
 residual=)`` read x and the residual once and write the output (and, for a pre-norm block,
 the sum) once. Calls these kernels do not take (weights in another dtype than the stream, a
-LayerNorm over more than one dimension) run as eager.
+LayerNorm over more than one dimension) run as eager. The layer mixins at the end (Llama's,
+Gemma 2's sandwich, Llama 4's and CLIP's encoder layer forms) are what ff.convert swaps into
+layers for it.
 """
 from __future__ import annotations
 
@@ -51,4 +53,60 @@ def layer_norm_added(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -
     return norm(x + residual)
 
 
-__all__ = ["RMSNormMixin", "add_norm", "layer_norm_added"]
+# ---- layers whose residual adds go into their next norm (hf_convert.py swaps them in) -----------
+class PreNormDecoderLayer:
+    """residual + mlp(norm2(residual + attn(norm1(x)))) with norm2's add fused."""
+    _ff_what = "residual add fused into post_attention_layernorm"
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if args or kwargs.get("output_attentions"):
+            return super().forward(hidden_states, *args, **kwargs)
+        residual = hidden_states
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        h, residual = add_norm(self.post_attention_layernorm, h, residual)
+        return residual + self._ff_mlp(h)
+
+    def _ff_mlp(self, h):
+        return self.mlp(h)
+
+
+class Llama4DecoderLayer(PreNormDecoderLayer):
+    """Llama 4's: the MLP is feed_forward, and a MoE block's returns (flattened rows, logits)."""
+
+    def _ff_mlp(self, h):
+        out = self.feed_forward(h)
+        return (out[0] if self.is_moe_layer else out).view(h.shape)
+
+
+class SandwichDecoderLayer:
+    """Gemma 2/3: the attention and MLP outputs normed before their residual adds; the add of the
+    attention branch fused into the MLP's pre-norm."""
+    _ff_what = "residual add fused into pre_feedforward_layernorm"
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if args or kwargs.get("output_attentions"):
+            return super().forward(hidden_states, *args, **kwargs)
+        residual = hidden_states
+        h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+        h, residual = add_norm(self.pre_feedforward_layernorm, self.post_attention_layernorm(h), residual)
+        return residual + self.post_feedforward_layernorm(self.mlp(h))
+
+
+class PreNormEncoderLayer:
+    """CLIP's and SigLIP's encoder layer (and the vision towers written from it: Idefics 2/3,
+    SmolVLM, OWL-ViT, GIT, Janus, ...): layer_norm2's residual add fused. The stream it returns
+    is written contiguous: SigLIP's starts channels-strided (its patch embedding's conv output
+    transposed), a layout every eager residual add after it keeps."""
+    _ff_what = "residual add fused into layer_norm2"
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        if kwargs.get("output_attentions"):
+            return super().forward(hidden_states, attention_mask, **kwargs)
+        residual = hidden_states
+        h, _ = self.self_attn(hidden_states=self.layer_norm1(hidden_states), attention_mask=attention_mask, **kwargs)
+        h, residual = add_norm(self.layer_norm2, h, residual)
+        return residual + self.mlp(h)
+
+
+__all__ = ["Llama4DecoderLayer", "PreNormDecoderLayer", "PreNormEncoderLayer", "RMSNormMixin",
+           "SandwichDecoderLayer", "add_norm", "layer_norm_added"]
