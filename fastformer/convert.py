@@ -122,8 +122,8 @@ _FASTFORMER = (MultiheadAttention, LayerNorm, RMSNorm, TransformerEncoderLayer,
 
 def _why_not(m: nn.Module):
     """None if `m` is replaced; else the reason (or '' for a module that is no candidate)."""
-    if isinstance(m, _FASTFORMER):
-        return ""
+    if isinstance(m, _FASTFORMER) or getattr(type(m), "_fastformer_original", None) is not None:
+        return ""  # ours, or converted in place already (integrations/hf_convert.py)
     base = next((t for t in _CONVERTERS if isinstance(m, t)), None)
     if base is None:
         return ""

@@ -24,6 +24,7 @@ ACTIVATIONS = {  # code of fastformer::Activation -> torch
     2: lambda x: F.gelu(x, approximate="tanh"),
     3: F.silu,
     4: lambda x: x * torch.sigmoid(1.702 * x),  # quick_gelu (transformers' QuickGELUActivation)
+    5: lambda x: F.relu(x).square(),  # relu2 (transformers' ReLUSquaredActivation)
 }
 
 
@@ -63,7 +64,7 @@ def _torch_value_grad(act: int, x: torch.Tensor):
     return y.detach(), grad
 
 
-@pytest.mark.parametrize("act", sorted(ACTIVATIONS), ids=["relu", "gelu", "gelu_tanh", "silu", "quick_gelu"])
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS), ids=["relu", "gelu", "gelu_tanh", "silu", "quick_gelu", "relu2"])
 def test_activations_match_torch(harness, act):
     x = _act_inputs()
     x32 = x.float()
@@ -83,7 +84,7 @@ def test_activations_match_torch(harness, act):
     assert torch.equal(ours_vec, ours32)
 
 
-@pytest.mark.parametrize("act", sorted(ACTIVATIONS), ids=["relu", "gelu", "gelu_tanh", "silu", "quick_gelu"])
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS), ids=["relu", "gelu", "gelu_tanh", "silu", "quick_gelu", "relu2"])
 def test_activation_grad_is_derivative_of_value(harness, act):
     """d/dx of the header's value (central differences in fp64) equals its grad."""
     x = torch.linspace(-6, 6, 97, dtype=torch.float64)

@@ -62,6 +62,12 @@ def _families():
         "llama4": (t.Llama4TextConfig, t.Llama4ForCausalLM,
                    dict(DECODER, head_dim=16, intermediate_size_mlp=96, num_local_experts=2,
                         interleave_moe_layer_step=2, attention_chunk_size=8), gated),
+        # squared ReLU (relu2): Arcee's up / down MLP, Persimmon's biased one, Nemotron's
+        "arcee": (t.ArceeConfig, t.ArceeForCausalLM, dict(DECODER, head_dim=16), plain),
+        "persimmon": (t.PersimmonConfig, t.PersimmonForCausalLM, dict(DECODER, num_key_value_heads=None), plain),
+        # ... and its LayerNorm1P (weight + 1)
+        "nemotron": (t.NemotronConfig, t.NemotronForCausalLM, dict(DECODER, head_dim=16),
+                     (plain, "ff.layer_norm (weight + 1)")),
         # BERT's layers by their bytecode
         "xlm_roberta": (t.XLMRobertaConfig, t.XLMRobertaModel, dict(ENCODER, pad_token_id=1),
                         "ff.ffn + ff.add_layer_norm"),
@@ -116,7 +122,7 @@ def test_family_without_an_entry_converted_and_matching_fp32(name):
     assert_model_matches(out, grads, ref, ref_grads)
 
 
-@pytest.mark.parametrize("name", ["gpt_neox", "siglip", "clip", "glm4", "xlm_roberta"])
+@pytest.mark.parametrize("name", ["gpt_neox", "siglip", "clip", "glm4", "xlm_roberta", "nemotron"])
 def test_family_without_an_entry_bf16_error_ratio(name):
     model = _model(name)
     ours_model = ff.convert(copy.deepcopy(model).to(torch.bfloat16)).model
@@ -305,7 +311,7 @@ def test_form_family_compiles_fullgraph(name):
         assert (y.double() - r).abs().max().item() <= 1e-5 * r.abs().max().item()
 
 
-@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "quick_gelu"])
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu", "quick_gelu", "relu2"])
 @pytest.mark.parametrize("gated", [False, True])
 def test_decode_time_mlp_call(activation, gated):
     """A converted MLP's call without autograd of at most DECODE_ROWS rows runs three linears

@@ -32,7 +32,7 @@ LOWP = [torch.float16, torch.bfloat16]
 CAUSAL = {0: False, 1: "top_left", 2: "bottom_right"}
 NO_WINDOW = (-1, -1)  # (window_left, window_right); -1: no limit on that side
 ACTIVATIONS = {0: F.relu, 1: F.gelu, 2: lambda x: F.gelu(x, approximate="tanh"), 3: F.silu,
-               4: lambda x: x * torch.sigmoid(1.702 * x)}
+               4: lambda x: x * torch.sigmoid(1.702 * x), 5: lambda x: F.relu(x).square()}
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # fastformer::DType
 gpu = pytest.mark.gpu
 
@@ -320,7 +320,7 @@ def ffn_inputs(dtype, rows, cols, stride, seed=0):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float32] + LOWP, ids=str)
-@pytest.mark.parametrize("act", sorted(ACTIVATIONS), ids=["relu", "gelu", "gelu_tanh", "silu", "quick_gelu"])
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS), ids=["relu", "gelu", "gelu_tanh", "silu", "quick_gelu", "relu2"])
 @pytest.mark.parametrize("rows,cols,stride", FFN_SHAPES)
 def test_ffn_epilogues_gpu(dtype, act, rows, cols, stride):
     _need_cuda_backend()
@@ -518,7 +518,7 @@ def test_attention_kernels_emulated(emulator, tmp_path, dtype, D, B, H, Hkv, Lq,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32] + LOWP, ids=str)
-@pytest.mark.parametrize("act", sorted(ACTIVATIONS), ids=["relu", "gelu", "gelu_tanh", "silu", "quick_gelu"])
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS), ids=["relu", "gelu", "gelu_tanh", "silu", "quick_gelu", "relu2"])
 def test_ffn_kernels_emulated(emulator, tmp_path, dtype, act):
     for i, (rows, cols, stride) in enumerate(FFN_SHAPES):
         a, b, c, bias = ffn_inputs(dtype, rows, cols, stride, seed=i)

@@ -12,7 +12,7 @@ from fastformer.ops.linear import max_rows
 from fastformer.reference.rng import draw_rng_state, keep_mask
 
 ACTS = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
-        "silu": F.silu, "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t)}
+        "silu": F.silu, "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t), "relu2": lambda t: F.relu(t).square()}
 LOWP = (torch.float16, torch.bfloat16)
 # Every required tokens / d_model / dim_feedforward value appears: tokens {1, 17, 256},
 # d_model {64, 384, 1000}, dim_feedforward {128, 1536, 2730}.
@@ -24,8 +24,12 @@ LOWP_SHAPES = [(1, 64, 128), (17, 384, 1536), (17, 1000, 128), (256, 64, 1536), 
 TRITON_SHAPES = [(1, 64, 128), (17, 64, 128), (33, 96, 200)]  # the interpreter: small shapes
 
 
-def _params(tokens, d, hidden, dtype, gated, bias, seed=0, lead=None):
-    """(x, w1, b1, w2, b2, w_up, b_up, dy): weights scaled so that every GEMM output is O(1)."""
+def _params(tokens, d, hidden, dtype, gated, bias, seed=0, lead=None, act=None):
+    """(x, w1, b1, w2, b2, w_up, b_up, dy): weights scaled so that every GEMM output is O(1).
+    relu2 squares the pre-activation (|pre| up to ~5 made h up to ~29 and its derivative 2 relu
+    up to ~10: eager fp32's own dw2 was 2e-4 off the fp64 oracle, dw1 8e-5): its w1, b1 are
+    scaled by 1/4, so that h and act' are O(1) as the policy's fixed fp32 tolerances assume
+    (relu2 is homogeneous: the scale changes no path through it)."""
     g = torch.Generator().manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     shape = (tokens, d) if lead is None else (*lead, d)
@@ -34,6 +38,8 @@ def _params(tokens, d, hidden, dtype, gated, bias, seed=0, lead=None):
     w_up = mk(hidden, d) / d ** 0.5 if gated else None
     b1, b2 = (mk(hidden) * 0.5, mk(d) * 0.5) if bias else (None, None)
     b_up = mk(hidden) * 0.5 if (gated and bias) else None
+    if act == "relu2":
+        w1, b1 = w1 * 0.25, (None if b1 is None else b1 * 0.25)
     return [t.to(dtype) if t is not None else None for t in (x, w1, b1, w2, b2, w_up, b_up, dy)]
 
 
@@ -83,14 +89,15 @@ def _compare(tensors, dy, act, dtype, tokens):
 def _cases(shapes, dtypes, per_shape=4):
     """per_shape of the 8 (activation, gated) pairs of relu, gelu, gelu_tanh and silu for each
     shape and dtype, rotating so that consecutive shapes take the next pairs (every pair
-    appears), biases on every other case; and one quick_gelu case per shape and dtype, plain
-    and gated in turn."""
+    appears), biases on every other case; and one quick_gelu or relu2 case per shape and dtype,
+    in turn plain / gated quick_gelu, plain / gated relu2."""
     pairs = [(act, gated) for gated in (False, True) for act in ("relu", "gelu", "gelu_tanh", "silu")]
     out = []
     for i, (tokens, d, hidden) in enumerate(shapes):
         for dtype in dtypes:
             for k in range(per_shape + 1):
-                act, gated = pairs[(i * per_shape + k) % len(pairs)] if k < per_shape else ("quick_gelu", i % 2 == 1)
+                act, gated = (pairs[(i * per_shape + k) % len(pairs)] if k < per_shape
+                              else (("quick_gelu", "relu2")[i // 2 % 2], i % 2 == 1))
                 bias = (i + k) % 2 == 0
                 out.append(pytest.param(tokens, d, hidden, dtype, act, gated, bias,
                                         id=f"{tokens}x{d}x{hidden}-{str(dtype)[6:]}-{act}-"
@@ -229,7 +236,7 @@ def _backend_matches_eager(backend, tokens, d, hidden, dtype, act, gated, bias):
     why = b.availability() or (None if ff.backends.implementations("ffn", backend) else "not built")
     if why or "cpu" not in b.devices():
         pytest.skip(f"{backend}: {why or 'no CPU device'}")
-    *tensors, dy = _params(tokens, d, hidden, dtype, gated, bias)
+    *tensors, dy = _params(tokens, d, hidden, dtype, gated, bias, act=act)
     with ff.use_backend(backend):
         _compare(tensors, dy, act, dtype, tokens)
         assert ff.last_dispatch().backend == backend
@@ -243,7 +250,7 @@ def test_gpu_matches_eager(backend, tokens, d, hidden, dtype, act, gated, bias):
     why = ff.backends.get(backend).availability()
     if why:
         pytest.skip(f"{backend}: {why}")
-    *tensors, dy = _params(tokens, d, hidden, dtype, gated, bias)
+    *tensors, dy = _params(tokens, d, hidden, dtype, gated, bias, act=act)
     tensors = [t.cuda() if t is not None else None for t in tensors]
     with ff.use_backend(backend):
         _compare(tensors, dy.cuda(), act, dtype, tokens)
@@ -321,7 +328,7 @@ def test_bf16_inference_takes_the_onednn_post_op(tokens, d, hidden, bias):
             y = _ours(*tensors, act)
         assert ff.last_dispatch().impl == "cpu.onednn"
         took = any(e.name == "mkldnn::_linear_pointwise" for e in prof.events())
-        assert took == (tokens > 1 and act in cpu_gemm.ONEDNN_POST_OPS), act  # quick_gelu has none
+        assert took == (tokens > 1 and act in cpu_gemm.ONEDNN_POST_OPS), act  # quick_gelu, relu2: none
         check(f"y[{act}]", y, _eager(*exact, act), _eager(*tensors, act))
 
 
@@ -333,7 +340,7 @@ def test_onednn_post_ops_are_the_activations():
         pytest.skip("the route is taken where torch's bf16 GEMMs have AMX / AVX512-BF16 dot products "
                     "and mkldnn is built in: neither here")
     x, w, b, *_ = _params(17, 40, 72, torch.float32, False, True)
-    assert set(cpu_gemm.ONEDNN_POST_OPS) == set(ACTS) - {"quick_gelu"}  # torch's "swish" has no scale
+    assert set(cpu_gemm.ONEDNN_POST_OPS) == set(ACTS) - {"quick_gelu", "relu2"}  # "swish" has no scale
     for act, post_op in cpu_gemm.ONEDNN_POST_OPS.items():
         got = torch.ops.mkldnn._linear_pointwise(x, w, b, *post_op)
         torch.testing.assert_close(got, ACTS[act](F.linear(x, w, b)), atol=2e-6, rtol=2e-6)
@@ -582,7 +589,7 @@ def test_swiglu_module():
     expected = m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
     check("SwiGLU", m(x), expected.double(), atol=2e-5, rtol=2e-5)
     assert ff.SwiGLU(8, 16, bias=True, activation="gelu")(torch.randn(2, 8)).shape == (2, 8)
-    with pytest.raises(ValueError, match="'relu', 'gelu', 'gelu_tanh', 'silu', 'quick_gelu'"):
+    with pytest.raises(ValueError, match="'relu', 'gelu', 'gelu_tanh', 'silu', 'quick_gelu', 'relu2'"):
         ff.SwiGLU(8, 16, activation="swish")
 
 
@@ -618,7 +625,7 @@ def test_bad_input_names_the_argument(case):
 
 def test_unknown_activation_lists_the_valid_ones():
     x, w1, w2 = torch.randn(2, 8), torch.randn(16, 8), torch.randn(8, 16)
-    with pytest.raises(ValueError, match="'relu', 'gelu', 'gelu_tanh', 'silu', 'quick_gelu'; got 'tanh'"):
+    with pytest.raises(ValueError, match="'relu', 'gelu', 'gelu_tanh', 'silu', 'quick_gelu', 'relu2'; got 'tanh'"):
         ff.ffn(x, w1, None, w2, None, activation="tanh")
 
 

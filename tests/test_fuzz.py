@@ -337,7 +337,8 @@ def test_fuzz_add_norm_triton(c):
 # ---- feed-forward ------------------------------------------------------------------------------
 FFN_ACTS = {"relu": torch.relu, "gelu": torch.nn.functional.gelu,
             "gelu_tanh": lambda t: torch.nn.functional.gelu(t, approximate="tanh"),
-            "silu": torch.nn.functional.silu, "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t)}
+            "silu": torch.nn.functional.silu, "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t),
+            "relu2": lambda t: torch.relu(t).square()}
 
 
 @st.composite

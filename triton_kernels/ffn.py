@@ -36,7 +36,7 @@ import triton.language as tl
 from . import interpreter_mode
 from .common import cast_to, dot_operand, dropout_word
 
-ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU, ACT_QUICK_GELU = 0, 1, 2, 3, 4  # activations.h codes
+ACT_RELU, ACT_GELU, ACT_GELU_TANH, ACT_SILU, ACT_QUICK_GELU, ACT_RELU2 = 0, 1, 2, 3, 4, 5  # activations.h codes
 MODE_FWD_SAVE, MODE_FWD_ACT, MODE_BWD = 0, 1, 2               # ffn_act_matmul_kernel
 PLAIN, HIDDEN_ACT, HIDDEN_GATED = 0, 1, 2                     # operand modes, ffn_matmul_kernel
 
@@ -62,6 +62,9 @@ def _act(x, ACT: tl.constexpr):
         return x * 0.5 * (1.0 + _tanh((x + x * x * x * 0.044715) * 0.7978845608028654))
     elif ACT == 4:
         return x * tl.sigmoid(x * 1.702)
+    elif ACT == 5:
+        r = tl.where(x > 0, x, 0.0)
+        return r * r
     else:
         return x * tl.sigmoid(x)
 
@@ -79,6 +82,8 @@ def _act_grad(x, ACT: tl.constexpr):
     elif ACT == 4:
         s = tl.sigmoid(x * 1.702)
         return s * (1.0 + x * 1.702 * (1.0 - s))
+    elif ACT == 5:
+        return tl.where(x > 0, x * 2.0, 0.0)
     else:
         s = tl.sigmoid(x)
         return s * (1.0 + x * (1.0 - s))

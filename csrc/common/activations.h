@@ -9,6 +9,8 @@
 //   silu(x)      = x s(x),  s = 1/(1 + exp(-x))      silu'(x)      = s (1 + x (1 - s))
 //   quick_gelu(x) = x s(1.702 x)                     quick_gelu'(x) = s (1 + 1.702 x (1 - s)),
 //                  s = s(1.702 x)                    (OpenAI CLIP's GELU approximation)
+//   relu2(x)     = relu(x)^2                         relu2'(x)     = 2 relu(x)
+//                                                    (squared ReLU: Nemotron, Persimmon, Arcee)
 // Gated (SwiGLU = silu, GeGLU = gelu / gelu_tanh, ReGLU = relu): h = act(gate) * up, so
 //   d gate = dh * up * act'(gate),   d up = dh * act(gate).
 // Biased: y = act(x + b), dx = dy * act'(x + b), db = sum over rows of dx.
@@ -35,7 +37,7 @@
 namespace fastformer {
 
 // The numbering is part of the ABI between the bindings and the kernels; keep it stable.
-enum class Activation : int32_t { relu = 0, gelu = 1, gelu_tanh = 2, silu = 3, quick_gelu = 4 };
+enum class Activation : int32_t { relu = 0, gelu = 1, gelu_tanh = 2, silu = 3, quick_gelu = 4, relu2 = 5 };
 
 template <typename V>
 struct ActMath;
@@ -108,6 +110,9 @@ FF_HOST_DEVICE V activation(const V& x) {
     return (V(0.5) * x) * (V(1.0) + gelu_tanh_t<V, M>(x, x * x));
   } else if constexpr (A == Activation::quick_gelu) {
     return x * sigmoid<V, M>(V(kQuickGelu) * x);
+  } else if constexpr (A == Activation::relu2) {
+    const V r = M::relu(x);
+    return r * r;
   } else {
     return x * sigmoid<V, M>(x);
   }
@@ -134,6 +139,9 @@ FF_HOST_DEVICE ValueGrad<V> activation_value_grad(const V& x) {
     const V kx = V(kQuickGelu) * x;
     const V s = sigmoid<V, M>(kx);
     return {x * s, s * (V(1.0) + kx * (V(1.0) - s))};
+  } else if constexpr (A == Activation::relu2) {
+    const V r = M::relu(x);
+    return {r * r, V(2.0) * r};
   } else {
     const V s = sigmoid<V, M>(x);
     return {x * s, s * (V(1.0) + x * (V(1.0) - s))};
@@ -154,6 +162,7 @@ inline void dispatch_activation(Activation a, F&& f) {
     case Activation::gelu: f(ActivationTag<Activation::gelu>{}); break;
     case Activation::gelu_tanh: f(ActivationTag<Activation::gelu_tanh>{}); break;
     case Activation::quick_gelu: f(ActivationTag<Activation::quick_gelu>{}); break;
+    case Activation::relu2: f(ActivationTag<Activation::relu2>{}); break;
     default: f(ActivationTag<Activation::silu>{}); break;
   }
 }

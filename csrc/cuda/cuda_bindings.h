@@ -23,7 +23,7 @@
 //   FFN epilogues: fp32/fp16/bf16, (..., N) tensors whose rows have one stride (last dim
 //   contiguous), bias (N,); outputs contiguous in x's (gate's) shape and dtype; activation is
 //   the Activation code of common/activations.h: 0 relu, 1 gelu (erf), 2 gelu_tanh, 3 silu,
-//   4 quick_gelu.
+//   4 quick_gelu, 5 relu2.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -305,7 +305,7 @@ inline std::vector<at::Tensor> attention_bwd(const at::Tensor& dout, const at::T
 
 // ---- FFN epilogues --------------------------------------------------------------------------
 inline Activation ffn_activation(int64_t code) {
-  TORCH_CHECK(code >= 0 && code <= 4, "fastformer CUDA FFN: activation code must be 0..4, got ",
+  TORCH_CHECK(code >= 0 && code <= 5, "fastformer CUDA FFN: activation code must be 0..5, got ",
               code);
   return static_cast<Activation>(code);
 }

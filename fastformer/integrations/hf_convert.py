@@ -90,6 +90,7 @@ from .hf_mlp_forms import activation_name as _activation
 from .hf_mlp_forms import convert_mlp_by_form, mlp_candidate, model_ffn, model_swiglu_ffn
 from .hf_mlp_forms import same_dtype as _same_dtype
 from .hf_residual import RMSNormMixin as _RMSNorm
+from .hf_residual import LayerNorm1PMixin
 from .hf_residual import Llama4DecoderLayer as _Llama4DecoderLayer
 from .hf_residual import PreNormDecoderLayer as _PreNormDecoderLayer
 from .hf_residual import PreNormEncoderLayer as _PreNormEncoderLayer
@@ -412,6 +413,7 @@ for _f in ("Bert", "Roberta"):
     _CONVERTERS[f"{_f}Layer"] = _convert_bert_layer
 _CONVERTERS.update({
     "T5LayerNorm": lambda m: _convert_rms(m, False),
+    "NemotronLayerNorm1P": lambda m: _swap(m, LayerNorm1PMixin) if m.elementwise_affine else "no weight",
     "DistilBertTransformerBlock": _convert_distilbert_block,
     "ViTLayer": lambda m: _swap(m, _ViTLayer),
     "ViTMLP": lambda m: _convert_act(m, getattr(m, "activation_fn", None), _LinearMLP),

@@ -84,7 +84,8 @@ def activation_name(act) -> Optional[str]:
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
     return {"NewGELUActivation": "gelu_tanh", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
             "FastGELUActivation": "gelu_tanh", "SiLU": "silu", "SiLUActivation": "silu",
-            "ReLU": "relu", "QuickGELUActivation": "quick_gelu"}.get(name)
+            "ReLU": "relu", "QuickGELUActivation": "quick_gelu",
+            "ReLUSquaredActivation": "relu2"}.get(name)
 
 
 def _function_activation(node: fx.Node) -> Optional[str]:

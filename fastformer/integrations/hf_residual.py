@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.norm import add_layer_norm, rms_norm
+from ..ops.norm import add_layer_norm, layer_norm, rms_norm
 from .hf_mlp_forms import same_dtype
 
 
@@ -31,6 +31,18 @@ class RMSNormMixin:
         if not (self._ff_offset or same_dtype(hidden_states, self.weight)):
             return super().forward(hidden_states)
         return rms_norm(hidden_states, self._ff_weight(), self._ff_eps)
+
+
+class LayerNorm1PMixin:
+    """Nemotron's LayerNorm1P: F.layer_norm with weight + 1 (added in the weight's dtype, as
+    Nemotron does), on ff.layer_norm; under autocast, or weights in another dtype, as before."""
+    _ff_what = "ff.layer_norm (weight + 1)"
+
+    def forward(self, input):
+        if (torch.is_autocast_enabled(input.device.type) or len(self.normalized_shape) != 1
+                or not same_dtype(input, self.weight, self.bias)):
+            return super().forward(input)
+        return layer_norm(input, self.weight + 1.0, self.bias, self.eps)
 
 
 def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
@@ -108,5 +120,5 @@ class PreNormEncoderLayer:
         return residual + self.mlp(h)
 
 
-__all__ = ["Llama4DecoderLayer", "PreNormDecoderLayer", "PreNormEncoderLayer", "RMSNormMixin",
+__all__ = ["LayerNorm1PMixin", "Llama4DecoderLayer", "PreNormDecoderLayer", "PreNormEncoderLayer", "RMSNormMixin",
            "SandwichDecoderLayer", "add_norm", "layer_norm_added"]

@@ -32,7 +32,8 @@ class FeedForward(nn.Module):
 
     Args:
         d_model, dim_feedforward: feature sizes.
-        activation: ``"relu"``, ``"gelu"`` (exact), ``"gelu_tanh"``, ``"silu"``, ``"quick_gelu"``.
+        activation: ``"relu"``, ``"gelu"`` (exact), ``"gelu_tanh"``, ``"silu"``, ``"quick_gelu"``,
+            ``"relu2"``.
         dropout: probability on the hidden activation, applied in training mode only.
         bias: whether ``linear1`` and ``linear2`` have biases.
     """

@@ -42,7 +42,7 @@ _ACT_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
 class FfnOptions(Options):
     """The options of one FFN call (csrc/options.h mirrors the fields)."""
 
-    activation: int = 0                  # ACTIVATIONS index: relu, gelu, gelu_tanh, silu, quick_gelu
+    activation: int = 0                  # ACTIVATIONS index: relu, gelu, gelu_tanh, silu, quick_gelu, relu2
     dropout_p: float = 0.0               # on act(pre) (ffn only), in [0, 1)
     rng_state: Optional[Tensor] = None   # int64 CPU [seed, offset] of the dropout stream
     store_preactivation: bool = False    # keep the pre-activation for a backward
@@ -398,7 +398,7 @@ class _CpuOnednn(_VendorGemm):
     def _prepacked_fwd(self, x2, w1, b1, w2, b2, w_up, b_up, o):
         """The inference forward on the weights' blocked copies (ff.convert(model,
         prepack_weights=True), ops/prepack.py): not gated, the activation as the up projection's
-        oneDNN post-op (quick_gelu has none: it takes the route without prepacked weights); gated, our gate pass over the two
+        oneDNN post-op (quick_gelu and relu2 have none: they take the route without prepacked weights); gated, our gate pass over the two
         projections' outputs (written over the gate's). ff.last_dispatch() names the route."""
         last = backends.last_dispatch()
         if last is not None and last.op == "ffn":
@@ -532,7 +532,8 @@ def ffn(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
         w1: (dim_feedforward, d_model), b1: (dim_feedforward,) or None (``nn.Linear`` layout).
         w2: (d_model, dim_feedforward), b2: (d_model,) or None. All in x's dtype and device.
         activation: ``"relu"``, ``"gelu"`` (exact erf, torch's default), ``"gelu_tanh"``,
-            ``"silu"``, ``"quick_gelu"`` (``x * sigmoid(1.702 x)``, OpenAI CLIP's).
+            ``"silu"``, ``"quick_gelu"`` (``x * sigmoid(1.702 x)``, OpenAI CLIP's), ``"relu2"``
+            (``relu(x)^2``, squared ReLU: Nemotron, Persimmon, Arcee, NanoChat).
         dropout_p: dropout on the hidden activation, in [0, 1) (applied whenever > 0, like
             ``F.dropout(training=True)``; modules pass 0 in eval mode). The mask comes from a
             counter-based RNG seeded from torch's default generator (torch.manual_seed

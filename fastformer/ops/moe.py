@@ -410,7 +410,7 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, expert_weights: Tensor, w_gate_up: Te
             alternate (gate at even rows: gpt-oss). w_down: (E, D, F). Any strides (a transposed
             view of weights stored (E, D, 2F) / (E, F, D) included).
         b_gate_up: (E, 2F), in w_gate_up's row order; b_down: (E, D); optional.
-        activation: "silu", "gelu", "gelu_tanh", "relu" or "quick_gelu", applied to the gate
+        activation: "silu", "gelu", "gelu_tanh", "relu", "quick_gelu" or "relu2", applied to the gate
             (h = act(gate) * up); or "clamped_swiglu", gpt-oss's: gate clamped above at
             swiglu_limit, up to [-swiglu_limit, swiglu_limit], h = (up + 1) * gate *
             sigmoid(swiglu_alpha * gate).

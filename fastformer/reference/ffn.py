@@ -18,7 +18,7 @@ formulas), with x viewed as (N, D) and weights in nn.Linear's (out_features, in_
       dx = dpre W1 (gated: dg Wg + du Wu),  dW1 = dpre^T x,  db1 = sum_n dpre (gated: both parts)
   d(pre) is rounded to x's dtype before the last two GEMMs, as the kernels store it.
 * Activations (codes are csrc/common/activations.h's): relu, gelu (exact erf), gelu_tanh, silu,
-  quick_gelu (x * sigmoid(1.702 x), OpenAI CLIP's).
+  quick_gelu (x * sigmoid(1.702 x), OpenAI CLIP's), relu2 (relu(x)^2: Nemotron, Persimmon, Arcee).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .rng import keep_mask
 
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "quick_gelu")  # index = code of fastformer::Activation
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "quick_gelu", "relu2")  # index = code of fastformer::Activation
 
 
 QUICK_GELU_SCALE = 1.702
@@ -50,6 +50,8 @@ def activation(x: Tensor, code: int) -> Tensor:
         return F.gelu(x, approximate="tanh")
     if code == 4:
         return x * torch.sigmoid(QUICK_GELU_SCALE * x)
+    if code == 5:
+        return torch.relu(x).square()
     return F.silu(x)
 
 
@@ -64,6 +66,8 @@ def activation_grad(x: Tensor, code: int) -> Tensor:
         k = math.sqrt(2.0 / math.pi)
         t = torch.tanh(k * (x + 0.044715 * x ** 3))
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3 * 0.044715 * x * x)
+    if code == 5:
+        return 2.0 * torch.relu(x)
     if code == 4:
         x = QUICK_GELU_SCALE * x
     s = torch.sigmoid(x)

@@ -1,7 +1,7 @@
 // Evaluates the shared host/device math of csrc/common on inputs given on stdin, for
 // tests/test_common_math.py (which compares against torch / numpy / reference/rng.py).
 // One command per line; each prints one line of space-separated results (%.17g):
-//   act KIND TYPE N x_1..x_N       KIND 0..4 (Activation), TYPE f|d|v (float, double, a 4-lane
+//   act KIND TYPE N x_1..x_N       KIND 0..5 (Activation), TYPE f|d|v (float, double, a 4-lane
 //                                  vector type through a user ActMath specialization):
 //                                  value_1 grad_1 ... value_N grad_N, and activation<A>(x) == value
 //   softmax TYPE DOMAIN COLS BLOCK s_1..s_COLS v_1..v_COLS

@@ -18,7 +18,7 @@ inline cpu::MatView matrix_view(const Tensor& t) {
 inline cpu::FfnArgs ffn_args(const Tensor& x, const Tensor& w1, const Tensor& w2,
                              const optional<Tensor>& w_up, const FfnOptions& o) {
   check_cpu(x, "ffn");
-  TORCH_CHECK(o.activation >= 0 && o.activation <= 4, "fastformer._C ffn: activation code must be 0..4");
+  TORCH_CHECK(o.activation >= 0 && o.activation <= 5, "fastformer._C ffn: activation code must be 0..5");
   cpu::FfnArgs a;
   a.dtype = to_dtype(x);
   a.activation = static_cast<int32_t>(o.activation);
@@ -124,7 +124,7 @@ inline std::vector<Tensor> ffn_bwd(const Tensor& dy, const Tensor& x, const Tens
 inline cpu::FfnArgs ffn_layer_args(const Tensor& like, int64_t tokens, int64_t d_model,
                                    int64_t hidden, int32_t layers, const FfnOptions& o) {
   check_cpu(like, "ffn");
-  TORCH_CHECK(o.activation >= 0 && o.activation <= 4, "fastformer._C ffn: activation code must be 0..4");
+  TORCH_CHECK(o.activation >= 0 && o.activation <= 5, "fastformer._C ffn: activation code must be 0..5");
   TORCH_CHECK(o.dropout_p == 0.0, "fastformer._C ffn layers: no dropout");
   cpu::FfnArgs a;
   a.dtype = to_dtype(like);
