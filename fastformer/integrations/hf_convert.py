@@ -526,9 +526,13 @@ def convert_transformers(model: nn.Module, replaced: list, left: list, loss: boo
     # Our attention function stands in for sdpa: a model transformers runs only as eager (GIT,
     # whose text attention adds the mask built for config._attn_implementation itself) keeps it.
     takes_sdpa = bool(getattr(model, "_supports_sdpa", False) or getattr(model, "_supports_attention_backend", False))
-    if takes_sdpa and any(calls_attention_interface(type(m)) for m in model.modules()):
+    interface = any(calls_attention_interface(type(m)) for m in model.modules())
+    if takes_sdpa and interface:
         model.set_attn_implementation(ff_hf.NAME)
         replaced.append(("", type(model).__name__, f"attention: attn_implementation={ff_hf.NAME!r}"))
+    elif not interface:
+        left.append(("", type(model).__name__, "its attention modules do not call transformers' attention "
+                     "interface (their own code or torch's SDPA): attn_implementation left as it was"))
     else:
         left.append(("", type(model).__name__, "transformers runs its attention as eager only (no sdpa, no "
                      "attention backend): attn_implementation left as it was"))
