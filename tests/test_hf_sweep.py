@@ -37,8 +37,11 @@ SECONDS = 120
 TOLERANCE = 1e-5  # of the eager logits' largest value, fp32
 
 
-def _one(name: str, queue) -> None:
+def _one(name: str, queue, package: str) -> None:
     """In the child: ("eager fails", why) / ("ours fails", why) / ("ok", relative error)."""
+    if ff.__file__ != package:  # the package under test, not another copy on the child's path
+        queue.put(("ours fails", f"the child imported fastformer from {ff.__file__}, not {package}"))
+        return
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -72,14 +75,17 @@ def _one(name: str, queue) -> None:
 def _sweep(names: list, workers: int = 2) -> dict:
     """{name: result of _one}, `workers` children at a time (one thread each). The children fork
     from a fresh server process (forkserver): forking this one, whose OpenMP thread pool earlier
-    tests have started, could deadlock a child in libgomp."""
+    tests have started, could deadlock a child in libgomp. The server preloads torch and
+    transformers only: it starts with the working directory on its path, where a source checkout's
+    fastformer (without the built extension) would shadow the installed one; each child imports
+    this module, and fastformer, from the test process's path."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "fastformer", __name__])
+    ctx.set_forkserver_preload(["torch", "transformers"])
     results, running, pending = {}, [], list(names)
     while pending or running:
         while pending and len(running) < workers:
             name, queue = pending.pop(0), ctx.Queue()
-            child = ctx.Process(target=_one, args=(name, queue))
+            child = ctx.Process(target=_one, args=(name, queue, ff.__file__))
             child.start()
             running.append((name, child, queue, time.monotonic()))
         time.sleep(0.05)

@@ -511,3 +511,19 @@ def test_per_query_sinks_run_the_family_eager_attention(dispatches):
         _rel_err("logits", ours(input_ids=ids).logits, eager(input_ids=ids).logits, rel=1e-5)
     assert any(d is not None and d.impl == "eager_attention_forward" and "sinks of shape" in str(d)
                for d in dispatches)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_attention_output_is_contiguous_on_every_backend(backend):
+    """transformers' attention functions return a contiguous (B, Lq, H, D) (AfMoE and JetMoE
+    .view() it): the cpu backend's layout makes the transpose contiguous, the others' outputs are
+    copied (a model on the reference backend raised in .view before)."""
+    ff_hf.register()
+    q, k, v = (torch.randn(2, 4, 7, 16) for _ in range(3))
+    module = torch.nn.Module()
+    module.is_causal = True
+    with ff.use_backend(backend):
+        out, _ = ff_hf.attention_forward(module, q, k, v, None)
+    assert out.shape == (2, 7, 4, 16) and out.is_contiguous()
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                               .transpose(1, 2), atol=1e-5, rtol=1e-5)

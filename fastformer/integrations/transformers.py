@@ -180,8 +180,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                     attn_mask=attn_mask, scale=scaling, dropout_p=float(dropout),
                     window=(window_left, -1) if window_left >= 0 else None,
                     softcap=softcap if softcap else None, sinks=s_aux, position_bias=relative)
-    # (B, H, Lq, D) stored as (B, Lq, H, D): the transpose is the contiguous tensor, no copy.
-    return out.transpose(1, 2), None
+    # The cpu backend stores (B, H, Lq, D) as (B, Lq, H, D): the transpose is contiguous, no copy.
+    # Other backends' outputs are (B, H, Lq, D) contiguous: models .view() the result (AfMoE,
+    # JetMoE), so it is made contiguous, as transformers' sdpa function does.
+    out = out.transpose(1, 2)
+    return (out if out.is_contiguous() else out.contiguous()), None
 
 
 # Keywords transformers' models pass the attention function that do not change its result (the
