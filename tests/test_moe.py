@@ -15,10 +15,11 @@ transformers = pytest.importorskip("transformers")
 F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 
 
-def _oracle(x, ids, weights, w_gu, w_d, b_gu, b_d, activation, interleaved=False, alpha=1.702, limit=7.0,
+def _oracle(x, ids, weights, w_gu, w_d, b_gu, b_d, activation, interleaved=False, alpha=1.702, limit=None,
             weights_on="output"):
     """sum_j w[n, j] * down_e(h_e(x[n])), token by token, in x's dtype; h = act(gate) * up, or
-    gpt-oss's clamped SwiGLU (up + 1) * g * sigmoid(alpha g) with g, up clamped at the limit.
+    gpt-oss's clamped SwiGLU (up + 1) * g * sigmoid(alpha g) with g, up clamped at the limit (None:
+    7.0); a limit with another activation clamps gate and up first (DeepSeek-V4).
     weights_on="input": sum_j down_e(h_e(w[n, j] * x[n])) (Llama 4)."""
     F_ = w_d.shape[2]
     rows = []
@@ -30,8 +31,12 @@ def _oracle(x, ids, weights, w_gu, w_d, b_gu, b_d, activation, interleaved=False
             gu = w_gu[e] @ x_in + (0 if b_gu is None else b_gu[e])
             gate, up = (gu[0::2], gu[1::2]) if interleaved else (gu[:F_], gu[F_:])
             if activation == "clamped_swiglu":
-                g, u = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+                L = 7.0 if limit is None else limit
+                g, u = gate.clamp(max=L), up.clamp(min=-L, max=L)
                 h = (u + 1) * g * torch.sigmoid(alpha * g)
+            elif limit is not None:
+                g, u = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+                h = ref_ffn.activation(g, ref_ffn.ACTIVATIONS.index(activation)) * u
             else:
                 h = ref_ffn.activation(gate, ref_ffn.ACTIVATIONS.index(activation)) * up
             acc = acc + w_out * (w_d[e] @ h + (0 if b_d is None else b_d[e]))
@@ -113,7 +118,8 @@ def test_moe_ffn_interleaved_and_clamped_swiglu(dtype, activation):
     active (limit 1.5 on projections of scale ~2): output and every gradient."""
     x, ids, weights, w_gu, w_d, b_gu, b_d = _case(29, 48, 40, 4, 2, True, dtype, seed=7)
     w_gu = (w_gu.float() * 2).to(dtype)
-    kw = dict(activation=activation, interleaved=True, swiglu_alpha=1.702, swiglu_limit=1.5)
+    limit = 1.5 if activation == "clamped_swiglu" else None  # silu with a limit: test_clamped_gate.py
+    kw = dict(activation=activation, interleaved=True, swiglu_alpha=1.702, swiglu_limit=limit)
     tensors = (x, weights, w_gu, w_d, b_gu, b_d)
     g = torch.randn(29, 48, generator=torch.Generator().manual_seed(5))
 
@@ -121,7 +127,7 @@ def test_moe_ffn_interleaved_and_clamped_swiglu(dtype, activation):
         return ff.moe_ffn(t[0], ids, *t[1:], **kw)
 
     def oracle(*t):
-        return _oracle(t[0], ids, *t[1:], activation, interleaved=True, alpha=1.702, limit=1.5)
+        return _oracle(t[0], ids, *t[1:], activation, interleaved=True, alpha=1.702, limit=limit)
 
     _check_against_oracle(ours, oracle, tensors, g, dtype)
 

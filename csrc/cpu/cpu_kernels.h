@@ -232,6 +232,8 @@ struct FfnActArgs {
   double dropout_p = 0.0;            // h *= keep / (1 - p), keep = Philox(seed, offset + r * cols + c)
   uint64_t seed = 0, offset = 0;     //   >= dropout_threshold(p) (ffn.cpp's mask, element for element)
   bool identity = false;             // no activation, no up: h = gate * keep / (1 - p) (dropout alone)
+  double limit = 0.0;                // gated, > 0: gate clamped above at limit, up to [-limit, limit]
+                                     //   before act(gate) * up (DeepSeek-V4); 0: no clamp
 };
 
 // y = x W^T (+ b) for a few rows of x (csrc/cpu/linear_rows.cpp): the decode-time projections.

@@ -13,6 +13,8 @@
 // one rounding per output. Eager PyTorch's SwiGLU backward makes three passes over saved
 // act(g), u and dh plus the autograd sums; recomputing act(g) here costs a few vector
 // instructions per element, against a memory pass saved.
+// With a limit L (gated only): g' = min(g, L) and u' = clamp(u, -L, L) replace g and u above, and
+// the clamps pass the gradient where the bounds hold (g <= L, -L <= u <= L), as torch.clamp's.
 // With identity set, the pass is dropout alone, h = g * m (ops/dropout.py runs it on x forward
 // and on dy backward).
 // One task per block of rows (at::parallel_for); rows are contiguous (column stride 1), any row
@@ -56,6 +58,8 @@ void ffn_act_typed(const FfnActArgs& a) {
   const bool identity = a.identity;  // dropout alone: h = g * m (forward only; ops/dropout.py)
   const uint32_t threshold = dropout ? dropout_threshold(a.dropout_p) : 0;
   const A scale = dropout ? static_cast<A>(1.0 / (1.0 - a.dropout_p)) : A(1);
+  const bool limited = gated && a.limit > 0;
+  const V hi(static_cast<A>(a.limit)), lo(static_cast<A>(-a.limit));
   const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(n, 1));
   at::parallel_for(0, a.rows, grain, [&](int64_t begin, int64_t end) {
     uint32_t words[kMaskRun];
@@ -73,8 +77,17 @@ void ffn_act_typed(const FfnActArgs& a) {
           mask_factors<A, kV>(a, r, c, std::min(kMaskRun, n - c), threshold, scale, words, factors);
         }
         const V mv = dropout ? V::loadu(factors + c % kMaskRun) : V(A(1));
-        const V gv = w == kV ? load_acc(g + c) : load_acc(g + c, w);
-        const V uv = gated ? (w == kV ? load_acc(u + c) : load_acc(u + c, w)) : V(A(1));
+        V gv = w == kV ? load_acc(g + c) : load_acc(g + c, w);
+        V uv = gated ? (w == kV ? load_acc(u + c) : load_acc(u + c, w)) : V(A(1));
+        V g_pass(A(1)), u_pass(A(1));  // the clamps' gradients: 1 where the bounds hold, else 0
+        if (limited) {
+          if (backward) {
+            g_pass = gv.le(hi);
+            u_pass = uv.ge(lo) * uv.le(hi);
+          }
+          gv = at::vec::minimum(gv, hi);
+          uv = at::vec::clamp(uv, lo, hi);
+        }
         if (!backward) {
           V hv = identity ? gv : activation<Act, V, M>(gv);
           if (gated) hv = hv * uv;
@@ -86,8 +99,8 @@ void ffn_act_typed(const FfnActArgs& a) {
         V dhv = w == kV ? load_acc(dh + c) : load_acc(dh + c, w);
         if (dropout) dhv = dhv * mv;
         if (gated) {
-          store_acc(du + c, dhv * act.value, w);
-          store_acc(dg + c, dhv * uv * act.grad, w);
+          store_acc(du + c, limited ? dhv * act.value * u_pass : dhv * act.value, w);
+          store_acc(dg + c, limited ? dhv * uv * act.grad * g_pass : dhv * uv * act.grad, w);
           if (h) store_acc(h + c, dropout ? act.value * uv * mv : act.value * uv, w);
         } else {
           store_acc(dg + c, dhv * act.grad, w);

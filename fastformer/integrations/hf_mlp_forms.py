@@ -15,6 +15,9 @@ dropouts, and its forward, traced by torch.fx with those children as leaves, is 
                                                            halves (row views: no copy), when the
                                                            weight takes no gradient
 
+and, gated or packed, with DeepSeek-V4's clamps on both gate factors (``gate.clamp(max=L)``,
+``up.clamp(min=-L, max=L)``, the same constant L: ff.swiglu_ffn's swiglu_limit)
+
 where act is relu, exact or tanh GELU or SiLU (a module or torch function), a dropout may stand
 between act and out (ff.ffn fuses it; a gated call with a live one runs the original forward)
 and another on the result. Every node of the graph must be one of these: anything else (a
@@ -37,7 +40,7 @@ from torch import fx, nn
 from ..ops.dropout import dropout
 from ..ops.ffn import ACTIVATIONS, ffn, swiglu_ffn
 from ..ops.linear import linear
-from ..reference.ffn import activation as ref_activation
+from ..reference.ffn import activation as ref_activation, gate_value
 
 
 # ---- the MLP call of a converted model ---------------------------------------------------------
@@ -62,12 +65,15 @@ def model_ffn(x, w1, b1, w2, b2, activation: str, dropout_p: float = 0.0):
     return ffn(x, w1, b1, w2, b2, activation, dropout_p)
 
 
-def model_swiglu_ffn(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: str):
+def model_swiglu_ffn(x, w_gate, w_up, w_down, b_gate=None, b_up=None, b_down=None, *, activation: str,
+                     swiglu_limit: Optional[float] = None):
     """ff.swiglu_ffn(...) for a converted module's parameters."""
     if _decode_call(x, 0.0):
-        gate = ref_activation(linear(x, w_gate, b_gate), ACTIVATIONS.index(activation))
-        return linear(gate * linear(x, w_up, b_up), w_down, b_down)
-    return swiglu_ffn(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation=activation)
+        h = gate_value(linear(x, w_gate, b_gate), linear(x, w_up, b_up), ACTIVATIONS.index(activation),
+                       swiglu_limit or 0.0)
+        return linear(h, w_down, b_down)
+    return swiglu_ffn(x, w_gate, w_up, w_down, b_gate, b_up, b_down, activation=activation,
+                      swiglu_limit=swiglu_limit)
 
 
 def same_dtype(x, *params) -> bool:
@@ -121,6 +127,7 @@ class MLPForm:
     mid_dropout: object = None      # between act (* up) and out
     post_dropout: object = None     # on out's result
     conv1d: frozenset = frozenset()  # the linears that are transformers' Conv1D: (in, out) weights
+    limit: Optional[float] = None   # gated / packed: the clamps' L (swiglu_limit)
 
     def weight_bias(self, m: nn.Module, name: str):
         """(child name's weight in nn.Linear's (out, in) layout, its bias); Conv1D's transposed
@@ -193,6 +200,33 @@ class _Matcher:
               and isinstance(node.args[0], fx.Node))
         return name, node.args[0]
 
+    def _clamp(self, node):
+        """(the clamp's input, its min, its max) if node is x.clamp(...) / torch.clamp(x, ...)
+        with constant bounds, else None; accepted when it is one."""
+        if not isinstance(node, fx.Node) or not (
+                (node.op == "call_method" and node.target == "clamp") or
+                (node.op == "call_function" and node.target is torch.clamp)):
+            return None
+        self._accept(node)
+        args = dict(zip(("input", "min", "max"), node.args), **node.kwargs)
+        _need(set(args) <= {"input", "min", "max"} and isinstance(args["input"], fx.Node)
+              and all(v is None or isinstance(v, (int, float)) for k, v in args.items() if k != "input"))
+        return args["input"], args.get("min"), args.get("max")
+
+    def _clamped_factors(self, a, b):
+        """(g, u, L) for DeepSeek-V4's clamped factors a = act(g.clamp(max=L)), b =
+        u.clamp(min=-L, max=L); None without clamps; any other clamp: no form."""
+        if not isinstance(a, fx.Node) or a.op not in ("call_module", "call_function") or len(a.args) != 1:
+            return None
+        inner = self._clamp(a.args[0])
+        if inner is None:
+            return None
+        g, lo, hi = inner
+        outer = self._clamp(b)
+        _need(lo is None and isinstance(hi, (int, float)) and hi > 0 and outer is not None
+              and outer[1] == -hi and outer[2] == hi)
+        return g, outer[0], float(hi)
+
     def _product(self, node):
         """The two factors of a product node, or None."""
         if (node.op == "call_function" and node.target in (operator.mul, torch.mul)) or \
@@ -246,13 +280,18 @@ class _Matcher:
         for a, b in (factors, factors[::-1]):  # act(gate) * up or up * act(gate)
             seen = set(self.seen)
             try:
+                clamped = self._clamped_factors(a, b)
                 act, pre = self._activation(a)
+                limit = None
+                if clamped is not None:
+                    pre, b, limit = clamped
                 if pre.op == "call_module":
-                    return MLPForm("gated", self._linear(pre, x)[0], "", act, up=self._linear(b, x)[0])
+                    return MLPForm("gated", self._linear(pre, x)[0], "", act, up=self._linear(b, x)[0],
+                                   limit=limit)
                 chunk, i = self._half(pre)
                 chunk2, j = self._half(b)
                 _need(chunk2 is chunk and i != j)
-                return MLPForm("packed", self._linear(chunk.args[0], x)[0], "", act, act_half=i)
+                return MLPForm("packed", self._linear(chunk.args[0], x)[0], "", act, act_half=i, limit=limit)
             except _NoForm:
                 self.seen = seen
         raise _NoForm
@@ -339,7 +378,8 @@ class _MLPByForm:
                 (w_g, b_g), (w_u, b_u) = halves[form.act_half], halves[1 - form.act_half]
             if not same_dtype(x, w_u):
                 return super().forward(*args, **kwargs)
-            y = model_swiglu_ffn(x, w_g, w_u, w_out, b_g, b_u, b_out, activation=form.act)
+            y = model_swiglu_ffn(x, w_g, w_u, w_out, b_g, b_u, b_out, activation=form.act,
+                                 swiglu_limit=form.limit)
         post = form.post_dropout
         if isinstance(post, str):
             return getattr(self, post)(y)

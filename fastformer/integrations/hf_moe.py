@@ -10,8 +10,9 @@ GLM-4-MoE, Granite-MoE, ... as one module holding stacked weights (``gate_up_pro
 
 Taken: gated experts, gate and up rows concatenated or interleaved, stored either way round (the
 transposed (E, D, 2F) layout is read through views), with or without biases, with transformers'
-default gate (``act_fn(gate) * up``, an activation of the fused kernels) or gpt-oss's clamped
-SwiGLU (its ``_apply_gate``, recognized by its bytecode). Not taken: experts without a gate, any
+default gate (``act_fn(gate) * up``, an activation of the fused kernels), gpt-oss's clamped
+SwiGLU (interleaved; MiniMax-M3's on halves) or DeepSeek-V4's clamped ``act(gate) * up`` (each
+``_apply_gate`` recognized by its bytecode). Not taken: experts without a gate, any
 other ``_apply_gate``, a norm after each expert. A call the kernels do not take (activations in
 another dtype than the weights, expert parallelism's sentinel ids, fp32 decode steps of experts
 stored transposed) runs the implementation the module had before conversion. Under
@@ -59,21 +60,38 @@ def _gate_of(m: nn.Module):
         return None, "a norm after each expert: not in ff.moe_ffn"
     interleaved = not m.is_concatenated
     apply_gate = getattr(type(m), "_apply_gate", _default_apply_gate)
+    limit = None
     if apply_gate is not _default_apply_gate:
-        if class_form(type(m), "_apply_gate") != _clamped_swiglu_form():
-            return None, f"{type(m).__name__}._apply_gate is neither act(gate) * up nor gpt-oss's clamped SwiGLU"
-        return dict(activation="clamped_swiglu", interleaved=True, swiglu_alpha=float(m.alpha),
-                    swiglu_limit=float(m.limit)), None
+        form = class_form(type(m), "_apply_gate")
+        if form is None:
+            return None, f"{type(m).__name__}._apply_gate: its form could not be read"
+        if form == _gate_form("gpt_oss", "GptOssExperts"):  # interleaved columns
+            return dict(activation="clamped_swiglu", interleaved=True, swiglu_alpha=float(m.alpha),
+                        swiglu_limit=float(m.limit)), None
+        if form == _gate_form("minimax_m3_vl", "MiniMaxM3VLExperts"):  # gpt-oss's, halves
+            return dict(activation="clamped_swiglu", interleaved=False, swiglu_alpha=float(m.swiglu_alpha),
+                        swiglu_limit=float(m.swiglu_limit)), None
+        if form != _gate_form("deepseek_v4", "DeepseekV4Experts"):
+            return None, (f"{type(m).__name__}._apply_gate is none of act(gate) * up, gpt-oss's or "
+                          f"MiniMax-M3's clamped SwiGLU, DeepSeek-V4's clamped act(gate) * up")
+        interleaved, limit = False, float(m.limit)  # act(gate.clamp(max=L)) * up.clamp(-L, L), halves
     act = activation_name(getattr(m, "act_fn", None))
     if act is None:
         return None, f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused kernel"
-    return dict(activation=act, interleaved=interleaved), None
+    return dict(activation=act, interleaved=interleaved, swiglu_limit=limit), None
 
 
 @functools.lru_cache(maxsize=None)
-def _clamped_swiglu_form():
-    from transformers.models.gpt_oss import modeling_gpt_oss
-    return class_form(modeling_gpt_oss.GptOssExperts, "_apply_gate")
+def _gate_form(family: str, experts_class: str):
+    """The form of a transformers family's experts' _apply_gate (None where this transformers
+    has no such family)."""
+    import importlib
+    try:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except ImportError:
+        return None
+    cls = getattr(module, experts_class, None)
+    return None if cls is None else class_form(cls, "_apply_gate")
 
 
 def _weights(m: nn.Module):

@@ -46,6 +46,7 @@ class FfnOptions(Options):
     dropout_p: float = 0.0               # on act(pre) (ffn only), in [0, 1)
     rng_state: Optional[Tensor] = None   # int64 CPU [seed, offset] of the dropout stream
     store_preactivation: bool = False    # keep the pre-activation for a backward
+    swiglu_limit: float = 0.0            # gated, > 0: gate clamped above, up to [-limit, limit] first
 
 
 # ---- the op -----------------------------------------------------------------------------------
@@ -104,6 +105,7 @@ FFN = OpDef("ffn", inputs=("x", "w1", "b1?", "w2", "b2?", "w_up?", "b_up?"), opt
 # N = 8: packed 2.27, torch 2.82; GELU (N, 768, 3072) N = 1: 1.23 vs 0.49, N = 8: 0.90 vs 1.26.
 _FEATURES = frozenset({"bias", "gated", "few_rows"})
 _NO_DROPOUT = frozenset({"activation", "store_preactivation"})
+_LIMIT = frozenset({"swiglu_limit"})  # the clamped gate: reference, cpu.onednn
 _EVERY = _NO_DROPOUT | {"dropout_p", "rng_state"}
 
 
@@ -341,9 +343,10 @@ class _CpuOnednn(_VendorGemm):
     backend = "cpu"
     name = "cpu.onednn"
     dtypes = frozenset({torch.bfloat16, torch.float32})
-    options = _EVERY
+    options = _EVERY | _LIMIT
     features = _FEATURES | {"last_dim_strided", "rows_strided"}
-    gated_fwd = staticmethod(lambda g, u, o, over: _ext.C.ffn_act_fwd(g, u, o.activation, over))
+    gated_fwd = staticmethod(lambda g, u, o, over: _ext.C.ffn_act_fwd(g, u, o.activation, over,
+                                                                      limit=o.swiglu_limit))
 
     @staticmethod
     def act_fwd(pre, o, over):
@@ -358,7 +361,8 @@ class _CpuOnednn(_VendorGemm):
     # d_pre / d_g written over dh (need_h False)
     act_bwd = staticmethod(lambda dh, pre, o: _ext.C.ffn_act_bwd(dh, pre, None, o.activation, False,
                                                                  o.dropout_p, o.rng_state)[0])
-    gated_bwd = staticmethod(lambda dh, g, u, o: tuple(_ext.C.ffn_act_bwd(dh, g, u, o.activation, False)[:2]))
+    gated_bwd = staticmethod(lambda dh, g, u, o: tuple(_ext.C.ffn_act_bwd(dh, g, u, o.activation, False,
+                                                                          limit=o.swiglu_limit)[:2]))
 
     @staticmethod
     def _linear(a, w, b, out=None):
@@ -411,7 +415,7 @@ class _CpuOnednn(_VendorGemm):
 
     def reasons(self, call):
         why = super().reasons(call)
-        if why:
+        if why or _LIMIT & call.options:  # no other cpu route clamps the gate: this one is best
             return why
         if call.dtype == torch.float32 and "few_rows" not in call.features:
             wins, why = torch_fp32_gemm_wins()
@@ -515,8 +519,8 @@ def _weight_rows(fn: str, name: str, w, what: str) -> int:
     return w.shape[0]
 
 
-def _run(x, w1, b1, w2, b2, w_up, b_up, act: int, dropout_p: float) -> Tensor:
-    o = FfnOptions(activation=act, dropout_p=dropout_p,
+def _run(x, w1, b1, w2, b2, w_up, b_up, act: int, dropout_p: float, limit: float = 0.0) -> Tensor:
+    o = FfnOptions(activation=act, dropout_p=dropout_p, swiglu_limit=limit,
                    rng_state=draw_rng_state() if dropout_p > 0 else None,
                    store_preactivation=needs_grad((x, w1, b1, w2, b2, w_up, b_up)))
     return FFN((x, w1, b1, w2, b2, w_up, b_up), o)[0]
@@ -558,7 +562,8 @@ def ffn(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Te
 
 def swiglu_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                b_gate: Optional[Tensor] = None, b_up: Optional[Tensor] = None,
-               b_down: Optional[Tensor] = None, activation: str = "silu") -> Tensor:
+               b_down: Optional[Tensor] = None, activation: str = "silu", *,
+               swiglu_limit: Optional[float] = None) -> Tensor:
     """Gated feed-forward: ``y = (act(x @ w_gate.T + b_gate) * (x @ w_up.T + b_up)) @ w_down.T
     + b_down``: SwiGLU with ``"silu"``, GeGLU with ``"gelu"`` / ``"gelu_tanh"``, ReGLU with
     ``"relu"``.
@@ -568,6 +573,10 @@ def swiglu_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
         w_gate, w_up: (hidden, d_model); w_down: (d_model, hidden) (``nn.Linear`` layout);
             b_gate, b_up: (hidden,) or None; b_down: (d_model,) or None. x's dtype and device.
         activation: as :func:`ffn`.
+        swiglu_limit: None, or L > 0: the gate clamped above at L and the up projection to
+            [-L, L] before ``act(gate) * up`` (DeepSeek-V4's SwiGLU); the clamps pass the
+            gradient where their bounds hold, as torch.clamp's. Runs on the cpu (cpu.onednn)
+            and reference backends.
 
     Returns:
         (..., d_model). Without autograd the two gated projections run as one GEMM; with it they
@@ -585,7 +594,9 @@ def swiglu_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
         ("b_up", b_up, (F_,), " (hidden,)", True),
         ("b_down", b_down, (D,), " (d_model,)", True)])
     act = _check_activation(fn, activation)
-    return _run(x, w_gate, b_gate, w_down, b_down, w_up, b_up, act, 0.0)
+    limit = 0.0 if swiglu_limit is None else _checks.number(fn, "swiglu_limit", swiglu_limit, lo=0.0,
+                                                            lo_open=True, finite=True)
+    return _run(x, w_gate, b_gate, w_down, b_down, w_up, b_up, act, 0.0, float(limit))
 
 
 __all__ = ["ffn", "swiglu_ffn", "ACTIVATIONS"]

@@ -42,6 +42,7 @@ from .linear import linear, weight_grad, weight_grad_kernel_takes
 
 _ACT_CODE = {name: code for code, name in enumerate(ref_ffn.ACTIVATIONS)}
 CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss's gate (moe_ffn only)
+GPT_OSS_LIMIT = 7.0
 
 
 def _cpu_kernels(t: Tensor) -> bool:
@@ -52,10 +53,10 @@ def _cpu_kernels(t: Tensor) -> bool:
 class _Gate:
     """How an expert's [gate | up] projection (rows, 2F) becomes h (rows, F), and its gradient.
     act(gate) * up for the FFN's activations (concatenated halves on CPU: the FFN's fused pass,
-    ffn_elementwise.cpp); gpt-oss's clamped SwiGLU, and gate / up columns interleaved, in torch
-    ops at fp32 (fp64 for fp64)."""
+    ffn_elementwise.cpp, with DeepSeek-V4's clamps when limit > 0); gpt-oss's clamped SwiGLU, and
+    gate / up columns interleaved, in torch ops at fp32 (fp64 for fp64)."""
 
-    def __init__(self, activation: str, interleaved: bool, alpha: float, limit: Optional[float]):
+    def __init__(self, activation: str, interleaved: bool, alpha: float, limit: float):
         self.clamped = activation == CLAMPED_SWIGLU
         self.code = None if self.clamped else _ACT_CODE[activation]
         self.interleaved, self.alpha, self.limit = interleaved, alpha, limit
@@ -72,8 +73,7 @@ class _Gate:
     def _math(self, g: Tensor, u: Tensor):
         """(h, d h / d gate, d h / d up) in the accumulation dtype."""
         if not self.clamped:
-            act = ref_ffn.activation(g, self.code)
-            return act * u, u * ref_ffn.activation_grad(g, self.code), act
+            return ref_ffn.gate_terms(g, u, self.code, self.limit)
         L, a = self.limit, self.alpha
         gc, uc = g.clamp(max=L), u.clamp(min=-L, max=L)
         sig = torch.sigmoid(a * gc)
@@ -85,10 +85,10 @@ class _Gate:
     def fwd(self, gu: Tensor) -> Tensor:
         gate, up = self._split(gu)
         if self._kernel(gu):
-            return _ext.C.ffn_act_fwd(gate, up, self.code, False, 0.0, None)
+            return _ext.C.ffn_act_fwd(gate, up, self.code, False, 0.0, None, self.limit)
         acc = ref_ffn.acc_dtype(gu.dtype)
         if not self.clamped:
-            return (ref_ffn.activation(gate.to(acc), self.code) * up.to(acc)).to(gu.dtype)
+            return ref_ffn.gate_value(gate.to(acc), up.to(acc), self.code, self.limit).to(gu.dtype)
         # in place on fp32 copies: gpt-oss-style bf16 experts (16 of 1024 -> 1024, top 4, 1024
         # tokens) forward 55.6 -> 39.7 ms with the gradient terms of _math left out and these passes
         g = gate.to(acc, copy=True).clamp_(max=self.limit)
@@ -101,7 +101,7 @@ class _Gate:
         F_ = gu.shape[1] // 2
         gate, up = self._split(gu)
         if self._kernel(gu):  # one pass; h written over dh
-            d_gate, d_up, h = _ext.C.ffn_act_bwd(dh, gate, up, self.code, True, 0.0, None)
+            d_gate, d_up, h = _ext.C.ffn_act_bwd(dh, gate, up, self.code, True, 0.0, None, self.limit)
             return [(slice(0, F_), d_gate), (slice(F_, 2 * F_), d_up)], h
         acc = ref_ffn.acc_dtype(gu.dtype)
         d = dh.to(acc)
@@ -389,14 +389,17 @@ def _gate(fn: str, activation, interleaved, alpha, limit) -> _Gate:
         raise ValueError(f"{fn}: `activation` must be one of {', '.join(names)}, got {activation!r}")
     _checks.flag(fn, "interleaved", interleaved)
     alpha = _checks.number(fn, "swiglu_alpha", alpha, finite=True)
-    limit = _checks.number(fn, "swiglu_limit", limit, lo=0.0, lo_open=True, finite=True)
-    return _Gate(activation, interleaved, alpha, limit)
+    if limit is None:  # gpt-oss's limit for its gate; no clamp for the others
+        limit = GPT_OSS_LIMIT if activation == CLAMPED_SWIGLU else 0.0
+    else:
+        limit = _checks.number(fn, "swiglu_limit", limit, lo=0.0, lo_open=True, finite=True)
+    return _Gate(activation, interleaved, alpha, float(limit))
 
 
 def moe_ffn(x: Tensor, expert_ids: Tensor, expert_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
             b_gate_up: Optional[Tensor] = None, b_down: Optional[Tensor] = None, *,
             activation: str = "silu", interleaved: bool = False, swiglu_alpha: float = 1.702,
-            swiglu_limit: float = 7.0, weights_on: str = "output") -> Tensor:
+            swiglu_limit: Optional[float] = None, weights_on: str = "output") -> Tensor:
     """The routed experts of a mixture-of-experts layer, each a gated FFN (SwiGLU with "silu",
     GeGLU with "gelu" / "gelu_tanh"), grouped by expert.
 
@@ -414,6 +417,10 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, expert_weights: Tensor, w_gate_up: Te
             (h = act(gate) * up); or "clamped_swiglu", gpt-oss's: gate clamped above at
             swiglu_limit, up to [-swiglu_limit, swiglu_limit], h = (up + 1) * gate *
             sigmoid(swiglu_alpha * gate).
+        swiglu_limit: "clamped_swiglu"'s limit (None: gpt-oss's 7.0); with the other
+            activations None (no clamp) or L > 0: the gate clamped above at L and up to [-L, L]
+            before act(gate) * up (DeepSeek-V4's experts), the clamps passing the gradient where
+            their bounds hold.
         weights_on: "output" (Mixtral, ...: each expert's output times its weight) or "input"
             (Llama 4: the expert reads its weight times x, rounded to x's dtype, and the outputs
             are summed unweighted).
@@ -434,7 +441,7 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, expert_weights: Tensor, w_gate_up: Te
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if torch.compiler.is_compiling():
         return _moe_op(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, activation,
-                       interleaved, float(swiglu_alpha), float(swiglu_limit), on_input, grad)[0]
+                       interleaved, float(swiglu_alpha), gate.limit, on_input, grad)[0]
     if grad:
         return _MoEFFN.apply(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, gate, on_input)
     return _forward(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, gate, on_input,

@@ -7,7 +7,10 @@ formulas), with x viewed as (N, D) and weights in nn.Linear's (out_features, in_
   keep[n, f] comes from reference/rng.py with element index n * F + f (the (N, F) hidden
   activation, row-major).
 * gated: g = x Wg^T + bg, u = x Wu^T + bu;  h = act(g) * u;  y = h Wd^T + bd  (no dropout).
-  Arguments: w1/b1 = gate, w_up/b_up = up, w2/b2 = down.
+  Arguments: w1/b1 = gate, w_up/b_up = up, w2/b2 = down. With a limit L > 0 (swiglu_limit:
+  DeepSeek-V4's clamped SwiGLU), g' = min(g, L) and u' = clamp(u, -L, L) stand for g and u in
+  h and in the gradients below, which the clamps pass only where their bounds hold (g <= L,
+  -L <= u <= L), as torch.clamp's backward does.
 * Saved for the backward (``saved``): the pre-activation, rounded to x's dtype, (N, F); gated:
   [g | u] as one (N, 2F) tensor. Never act(pre). The second GEMM and the backward recompute the
   activation from it.
@@ -74,6 +77,26 @@ def activation_grad(x: Tensor, code: int) -> Tensor:
     return s * (1.0 + x * (1.0 - s))
 
 
+def gate_value(g: Tensor, u: Tensor, code: int, limit: float = 0.0) -> Tensor:
+    """h = act(g) * u, with g and u clamped first when limit > 0 (see the module docstring)."""
+    if limit > 0:
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    return activation(g, code) * u
+
+
+def gate_terms(g: Tensor, u: Tensor, code: int, limit: float = 0.0):
+    """(h, dh/dg, dh/du) of the gate h = act(g) * u, with g and u clamped first when limit > 0
+    (see the module docstring), in g's dtype."""
+    if limit > 0:
+        g_pass, u_pass = g <= limit, (u >= -limit) & (u <= limit)
+        g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    act = activation(g, code)
+    d_g, d_u = u * activation_grad(g, code), act
+    if limit > 0:
+        d_g, d_u = d_g * g_pass, d_u * u_pass
+    return act * u, d_g, d_u
+
+
 def _linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
     y = x @ w.to(x.dtype).t()
     return y + b.to(x.dtype) if b is not None else y
@@ -85,13 +108,15 @@ def _dropout_scale(rng_state, shape, dropout_p, device, dtype) -> Optional[Tenso
     return keep_mask(rng_state, shape, dropout_p, device=device).to(dtype) / (1.0 - dropout_p)
 
 
-def _hidden(saved: Tensor, F_: int, gated: bool, code: int, drop: Optional[Tensor]):
-    """(hd, pre or gate, up or None) in the accumulation dtype, from the saved tensor."""
+def _hidden(saved: Tensor, F_: int, gated: bool, code: int, drop: Optional[Tensor], limit: float):
+    """(hd, d hd / d pre (gated: / d gate), gated: d hd / d up) in the accumulation dtype, from
+    the saved tensor."""
     if gated:
-        g, u = saved[:, :F_], saved[:, F_:]
-        return activation(g, code) * u, g, u
-    hd = activation(saved, code)
-    return (hd * drop if drop is not None else hd), saved, None
+        return gate_terms(saved[:, :F_], saved[:, F_:], code, limit)
+    hd, d_pre = activation(saved, code), activation_grad(saved, code)
+    if drop is not None:
+        hd, d_pre = hd * drop, d_pre * drop
+    return hd, d_pre, None
 
 
 def ffn_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
@@ -107,7 +132,7 @@ def ffn_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optiona
         pre = torch.cat([pre, _linear(xf, w_up, b_up)], dim=1)
     saved = pre.to(x.dtype)
     drop = _dropout_scale(rng_state, (xf.shape[0], F_), dropout_p, x.device, acc)
-    hd, _, _ = _hidden(saved.to(acc), F_, w_up is not None, activation_code, drop)
+    hd, _, _ = _hidden(saved.to(acc), F_, w_up is not None, activation_code, drop, o.swiglu_limit)
     y = _linear(hd, w2, b2).to(x.dtype).reshape(x.shape)
     return y, (saved if o.store_preactivation else x.new_empty((0,)))
 
@@ -123,15 +148,10 @@ def ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, w_up: Optional[Tensor
     xf = x.reshape(-1, D).to(acc)
     dyf = dy.reshape(-1, D).to(acc)
     drop = _dropout_scale(rng_state, (xf.shape[0], F_), dropout_p, x.device, acc)
-    hd, pre, up = _hidden(saved.to(acc), F_, gated, activation_code, drop)
+    hd, d_hd_pre, d_hd_up = _hidden(saved.to(acc), F_, gated, activation_code, drop, o.swiglu_limit)
     dh = dyf @ w2.to(acc)
-    if gated:
-        d_gate = dh * up * activation_grad(pre, activation_code)
-        d_up = (dh * activation(pre, activation_code)).to(x.dtype).to(acc)
-        d_pre = d_gate.to(x.dtype).to(acc)
-    else:
-        d_pre = (dh * drop if drop is not None else dh) * activation_grad(pre, activation_code)
-        d_pre, d_up = d_pre.to(x.dtype).to(acc), None
+    d_pre = (dh * d_hd_pre).to(x.dtype).to(acc)
+    d_up = (dh * d_hd_up).to(x.dtype).to(acc) if gated else None
     grads = [
         lambda: (d_pre @ w1.to(acc) + (d_up @ w_up.to(acc) if gated else 0)).reshape(x.shape),
         lambda: d_pre.t() @ xf, lambda: d_pre.sum(0), lambda: dyf.t() @ hd, lambda: dyf.sum(0),
