@@ -192,15 +192,34 @@ def test_moe_custom_op_pair_opcheck(weights_on):
     assert grads[2].stride() == w_gu_t.stride()
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_moe_ffn_decode_rows_without_autograd(rows):
-    """Decode steps (few rows per expert, no autograd) run both projections on the few-row
-    linear kernel: the same answer."""
-    x, ids, weights, w_gu, w_d, _, _ = _case(rows, 256, 96, 4, 2, False, F32, seed=rows)
+@pytest.mark.parametrize("form", ["silu", "bias", "gpt_oss", "input"])
+def test_moe_ffn_decode_rows_without_autograd(monkeypatch, dtype, rows, form):
+    """Decode steps (few rows per expert, no autograd): bf16 on the few-row linear kernel, fp32
+    as one grouped GEMM per projection (taken: counted), biases, gpt-oss's gate and Llama 4's
+    input weights included: the answer of the oracle."""
+    x, ids, weights, w_gu, w_d, b_gu, b_d = _case(rows, 256, 96, 4, 2, form in ("bias", "gpt_oss"), dtype,
+                                                  seed=rows)
+    kw = dict(activation="silu")
+    if form == "gpt_oss":
+        kw = dict(activation="clamped_swiglu", interleaved=True, swiglu_limit=0.5)
+    elif form == "input":
+        kw["weights_on"] = "input"
+    grouped_calls = []
+    grouped_mm = torch.nn.functional.grouped_mm
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm",
+                        lambda *a, **k: grouped_calls.append(1) or grouped_mm(*a, **k))
     with torch.no_grad():
-        out = ff.moe_ffn(x, ids, weights, w_gu, w_d)
-    ref = _oracle(x.double(), ids, weights.double(), w_gu.double(), w_d.double(), None, None, "silu")
-    check("out", out, ref)
+        out = ff.moe_ffn(x, ids, weights, w_gu, w_d, b_gu, b_d, **kw)
+    assert len(grouped_calls) == (2 if dtype == F32 else 0)
+    up = [None if t is None else t.double() for t in (x, weights, w_gu, w_d, b_gu, b_d)]
+    ref = _oracle(up[0], ids, *up[1:], kw["activation"], interleaved=form == "gpt_oss",
+                  limit=kw.get("swiglu_limit"), weights_on=kw.get("weights_on", "output"))
+    low = None if dtype == F32 else _oracle(x, ids, weights, w_gu, w_d, b_gu, b_d, kw["activation"],
+                                            interleaved=form == "gpt_oss", limit=kw.get("swiglu_limit"),
+                                            weights_on=kw.get("weights_on", "output"))
+    check("out", out, ref, low)
 
 
 def test_moe_ffn_reads_transposed_weights():

@@ -14,8 +14,8 @@ default gate (``act_fn(gate) * up``, an activation of the fused kernels), gpt-os
 SwiGLU (interleaved; MiniMax-M3's on halves) or DeepSeek-V4's clamped ``act(gate) * up`` (each
 ``_apply_gate`` recognized by its bytecode). Not taken: experts without a gate, any
 other ``_apply_gate``, a norm after each expert. A call the kernels do not take (activations in
-another dtype than the weights, expert parallelism's sentinel ids, fp32 decode steps of experts
-stored transposed) runs the implementation the module had before conversion. Under
+another dtype than the weights, expert parallelism's sentinel ids) runs the implementation the
+module had before conversion. Under
 torch.compile ff.moe_ffn is a custom-op pair: a converted model compiles fullgraph on it.
 
 Llama 4 writes its MoE block outside that interface (``Llama4TextMoe``): every token runs
@@ -111,23 +111,9 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     w_gu, w_d, b_gu, b_d = _weights(self)
     if (getattr(self, "_ff_gate", None) is None or getattr(self, "_is_expert_parallel", False)
             or hidden_states.dtype != w_gu.dtype
-            or hidden_states.dim() != 2 or _fp32_transposed_decode(self, hidden_states)):
+            or hidden_states.dim() != 2):
         return _fallback(self)(self, hidden_states, top_k_index, top_k_weights)
     return moe_ffn(hidden_states, top_k_index, top_k_weights, w_gu, w_d, b_gu, b_d, **self._ff_gate)
-
-
-# fp32 decode steps (no autograd, up to this many tokens) of experts stored transposed ((E, D, 2F):
-# gpt-oss) run the previous implementation: a gpt-oss-style step (16 experts of 1024 -> 1024,
-# top 4) took 1.89 ms on ff.moe_ffn against 1.48 on grouped_mm for 1 token, 7.55 against 6.63
-# for 4 (2-core Xeon): MKL's fp32 GEMV reads the transposed weights as fast as linear_rows.cpp,
-# and the clamped SwiGLU's torch ops per expert cost the rest. bf16 steps take ff.moe_ffn
-# (linear_rows.cpp's in-major form): 1.41 against 2.27 ms (1 token), 3.60 against 4.89 (4).
-TRANSPOSED_DECODE_TOKENS = 8
-
-
-def _fp32_transposed_decode(m: nn.Module, x: torch.Tensor) -> bool:
-    return (m.is_transposed and x.dtype == torch.float32 and x.shape[0] <= TRANSPOSED_DECODE_TOKENS
-            and not torch.is_grad_enabled())
 
 
 def _fallback(m: nn.Module):
