@@ -283,10 +283,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("p"), py::arg("q"), py::arg("transpose_c"), py::arg("out_dtype"));
   m.def("ffn_act_fwd", &cb::ffn_act_fwd, py::arg("gate"), py::arg("up"), py::arg("activation"),
         py::arg("over_gate") = false, py::arg("dropout_p") = 0.0, py::arg("rng_state") = py::none(),
-        py::arg("limit") = 0.0);
+        py::arg("limit") = 0.0, py::arg("up_shift") = 0.0);
   m.def("ffn_act_bwd", &cb::ffn_act_bwd, py::arg("dh"), py::arg("gate"), py::arg("up"),
         py::arg("activation"), py::arg("need_h"), py::arg("dropout_p") = 0.0,
-        py::arg("rng_state") = py::none(), py::arg("limit") = 0.0);
+        py::arg("rng_state") = py::none(), py::arg("limit") = 0.0, py::arg("up_shift") = 0.0);
   m.def("dropout", &cb::dropout, "x * keep / (1 - p) with the FFN's Philox mask (ops/dropout.py)",
         py::arg("x"), py::arg("p"), py::arg("rng_state"));
   m.def("lce_rows", &cb::lce_rows, "linear_cross_entropy: the row pass over a chunk of logits");

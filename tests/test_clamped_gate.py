@@ -93,32 +93,42 @@ def test_values_at_the_limit_pass_the_gradient_as_torch_clamp(dtype):
 
 
 class _ActKernel(torch.autograd.Function):
-    """The cpu elementwise pass alone: h = act(g') * u' (ffn_act_fwd), its gradients (ffn_act_bwd)."""
+    """The cpu elementwise pass alone: h = act(g') * (u' + shift) (ffn_act_fwd), its gradients
+    (ffn_act_bwd)."""
 
     @staticmethod
-    def forward(ctx, g, u, code, limit):
+    def forward(ctx, g, u, code, limit, shift):
         ctx.save_for_backward(g, u)
-        ctx.code, ctx.limit = code, limit
-        return _ext.C.ffn_act_fwd(g, u, code, False, 0.0, None, limit)
+        ctx.args = code, limit, shift
+        return _ext.C.ffn_act_fwd(g, u, code, False, 0.0, None, limit, shift)
 
     @staticmethod
     def backward(ctx, dh):
         g, u = ctx.saved_tensors
-        d_g, d_u, _ = _ext.C.ffn_act_bwd(dh.clone(), g, u, ctx.code, False, 0.0, None, ctx.limit)
-        return d_g, d_u, None, None
+        code, limit, shift = ctx.args
+        d_g, d_u, _ = _ext.C.ffn_act_bwd(dh.clone(), g, u, code, False, 0.0, None, limit, shift)
+        return d_g, d_u, None, None, None
+
+
+def _gpt_oss_gate(g, u, limit):
+    """gpt-oss's clamped SwiGLU: (u' + 1) * g' * sigmoid(1.702 g')."""
+    g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+    return (u + 1) * g * torch.sigmoid(1.702 * g)
 
 
 @pytest.mark.skipif(_ext.C is None, reason="needs the compiled extension (fastformer._C)")
-@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "relu2"])
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_tanh", "relu2", "gpt_oss"])
 def test_cpu_clamped_gate_kernel_gradcheck_fp64(act):
     g = torch.randn(5, 37, dtype=F64, generator=torch.Generator().manual_seed(0))
     u = torch.randn(5, 37, dtype=F64, generator=torch.Generator().manual_seed(1))
     for t in (g, u):  # off the clamps' kinks, where finite differences straddle them
         t[(t.abs() - LIMIT).abs() < 1e-3] += 0.01
-    code = ref_ffn.ACTIVATIONS.index(act)
-    h = _ActKernel.apply(g, u, code, LIMIT)
-    assert torch.allclose(h, ref_ffn.gate_value(g, u, code, LIMIT), atol=1e-12)
-    assert torch.autograd.gradcheck(lambda a, b: _ActKernel.apply(a, b, code, LIMIT),
+    code = ref_ffn.ACTIVATIONS.index("quick_gelu" if act == "gpt_oss" else act)
+    shift = 1.0 if act == "gpt_oss" else 0.0  # gpt-oss: quick_gelu(g') * (u' + 1)
+    h = _ActKernel.apply(g, u, code, LIMIT, shift)
+    expected = _gpt_oss_gate(g, u, LIMIT) if act == "gpt_oss" else ref_ffn.gate_value(g, u, code, LIMIT)
+    assert torch.allclose(h, expected, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda a, b: _ActKernel.apply(a, b, code, LIMIT, shift),
                                     (g.requires_grad_(), u.requires_grad_()))
 
 

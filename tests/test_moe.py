@@ -112,14 +112,16 @@ def test_moe_ffn_matches_oracle_with_every_gradient(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-@pytest.mark.parametrize("activation", ["silu", "clamped_swiglu"])
-def test_moe_ffn_interleaved_and_clamped_swiglu(dtype, activation):
-    """Gate and up rows interleaved (gpt-oss's layout) and gpt-oss's clamped SwiGLU, its clamps
+@pytest.mark.parametrize("activation,alpha", [("silu", 1.702), ("clamped_swiglu", 1.702), ("clamped_swiglu", 1.5)])
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_moe_ffn_interleaved_and_clamped_swiglu(dtype, activation, alpha, interleaved):
+    """Gate and up rows interleaved (gpt-oss's layout) or halves (MiniMax-M3's), gpt-oss's
+    clamped SwiGLU (its alpha on the fused pass as quick_gelu, another in torch ops), its clamps
     active (limit 1.5 on projections of scale ~2): output and every gradient."""
     x, ids, weights, w_gu, w_d, b_gu, b_d = _case(29, 48, 40, 4, 2, True, dtype, seed=7)
     w_gu = (w_gu.float() * 2).to(dtype)
     limit = 1.5 if activation == "clamped_swiglu" else None  # silu with a limit: test_clamped_gate.py
-    kw = dict(activation=activation, interleaved=True, swiglu_alpha=1.702, swiglu_limit=limit)
+    kw = dict(activation=activation, interleaved=interleaved, swiglu_alpha=alpha, swiglu_limit=limit)
     tensors = (x, weights, w_gu, w_d, b_gu, b_d)
     g = torch.randn(29, 48, generator=torch.Generator().manual_seed(5))
 
@@ -127,7 +129,7 @@ def test_moe_ffn_interleaved_and_clamped_swiglu(dtype, activation):
         return ff.moe_ffn(t[0], ids, *t[1:], **kw)
 
     def oracle(*t):
-        return _oracle(t[0], ids, *t[1:], activation, interleaved=True, alpha=1.702, limit=limit)
+        return _oracle(t[0], ids, *t[1:], activation, interleaved=interleaved, alpha=alpha, limit=limit)
 
     _check_against_oracle(ours, oracle, tensors, g, dtype)
 

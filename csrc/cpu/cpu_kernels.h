@@ -234,6 +234,7 @@ struct FfnActArgs {
   bool identity = false;             // no activation, no up: h = gate * keep / (1 - p) (dropout alone)
   double limit = 0.0;                // gated, > 0: gate clamped above at limit, up to [-limit, limit]
                                      //   before act(gate) * up (DeepSeek-V4); 0: no clamp
+  double up_shift = 0.0;             // gated: h = act(gate) * (up + up_shift) (gpt-oss: 1, after the clamp)
 };
 
 // y = x W^T (+ b) for a few rows of x (csrc/cpu/linear_rows.cpp): the decode-time projections.

@@ -15,6 +15,7 @@
 // instructions per element, against a memory pass saved.
 // With a limit L (gated only): g' = min(g, L) and u' = clamp(u, -L, L) replace g and u above, and
 // the clamps pass the gradient where the bounds hold (g <= L, -L <= u <= L), as torch.clamp's.
+// With up_shift c (gated only): u' + c stands for u in h and d g (gpt-oss's (up + 1) * glu).
 // With identity set, the pass is dropout alone, h = g * m (ops/dropout.py runs it on x forward
 // and on dy backward).
 // One task per block of rows (at::parallel_for); rows are contiguous (column stride 1), any row
@@ -60,6 +61,8 @@ void ffn_act_typed(const FfnActArgs& a) {
   const A scale = dropout ? static_cast<A>(1.0 / (1.0 - a.dropout_p)) : A(1);
   const bool limited = gated && a.limit > 0;
   const V hi(static_cast<A>(a.limit)), lo(static_cast<A>(-a.limit));
+  const bool shifted = gated && a.up_shift != 0.0;
+  const V shift(static_cast<A>(a.up_shift));
   const int64_t grain = std::max<int64_t>(1, kElementsPerTask / std::max<int64_t>(n, 1));
   at::parallel_for(0, a.rows, grain, [&](int64_t begin, int64_t end) {
     uint32_t words[kMaskRun];
@@ -88,6 +91,7 @@ void ffn_act_typed(const FfnActArgs& a) {
           gv = at::vec::minimum(gv, hi);
           uv = at::vec::clamp(uv, lo, hi);
         }
+        if (shifted) uv = uv + shift;
         if (!backward) {
           V hv = identity ? gv : activation<Act, V, M>(gv);
           if (gated) hv = hv * uv;

@@ -10,8 +10,7 @@ Algorithm. The N * k (token, slot) pairs are sorted by expert (a stable sort: eq
 their order); for each expert with rows, its gathered rows xs (n_e, D) run the expert's GEMMs:
   gu = xs w_gate_up[e]^T (+ b)        one GEMM for gate and up, (n_e, 2F), kept for the backward
   h  = act(gu[:, :F]) * gu[:, F:]     one elementwise pass (the FFN's, ffn_elementwise.cpp on CPU;
-                                      gpt-oss's clamped SwiGLU and interleaved gate / up columns
-                                      in torch ops, _Gate)
+                                      gpt-oss's clamped SwiGLU there too, _Gate)
   ys = h w_down[e]^T (+ b)            (n_e, D)
 then each pair's ys times its weight goes back to its slot (with weights_on="input", Llama 4's
 form, the weight scales the gathered row xs instead), and the k slots of a token are summed
@@ -53,15 +52,18 @@ def _cpu_kernels(t: Tensor) -> bool:
 
 
 class _Gate:
-    """How an expert's [gate | up] projection (rows, 2F) becomes h (rows, F), and its gradient.
-    act(gate) * up for the FFN's activations (concatenated halves on CPU: the FFN's fused pass,
-    ffn_elementwise.cpp, with DeepSeek-V4's clamps when limit > 0); gpt-oss's clamped SwiGLU, and
-    gate / up columns interleaved, in torch ops at fp32 (fp64 for fp64)."""
+    """How an expert's [gate | up] projection (rows, 2F) becomes h (rows, F), and its gradient,
+    on the FFN's fused pass (ffn_elementwise.cpp) on CPU: act(gate) * up, with DeepSeek-V4's
+    clamps when limit > 0, and gpt-oss's clamped SwiGLU as quick_gelu(gate') * (up' + 1)
+    (quick_gelu is g * sigmoid(1.702 g): gpt-oss's alpha). Interleaved gate / up columns are
+    copied into halves first (one pass). Elsewhere (another alpha, other dtypes and devices)
+    torch ops at fp32 (fp64 for fp64)."""
 
     def __init__(self, activation: str, interleaved: bool, alpha: float, limit: float):
         self.clamped = activation == CLAMPED_SWIGLU
-        self.code = None if self.clamped else _ACT_CODE[activation]
+        self.code = _ACT_CODE["quick_gelu"] if self.clamped else _ACT_CODE[activation]
         self.interleaved, self.alpha, self.limit = interleaved, alpha, limit
+        self.up_shift = 1.0 if self.clamped else 0.0
 
     def _split(self, gu: Tensor):
         if self.interleaved:
@@ -70,7 +72,15 @@ class _Gate:
         return gu[:, :F_], gu[:, F_:]
 
     def _kernel(self, gu: Tensor) -> bool:
-        return not (self.clamped or self.interleaved) and _cpu_kernels(gu)
+        return _cpu_kernels(gu) and (not self.clamped or self.alpha == ref_ffn.QUICK_GELU_SCALE)
+
+    def _halves(self, gu: Tensor):
+        """(gate, up) with contiguous rows, for the kernel."""
+        if self.interleaved:
+            n, width = gu.shape
+            gu = gu.reshape(n, width // 2, 2).transpose(1, 2).reshape(n, width)  # one copy
+        F_ = gu.shape[1] // 2
+        return gu[:, :F_], gu[:, F_:]
 
     def _math(self, g: Tensor, u: Tensor):
         """(h, d h / d gate, d h / d up) in the accumulation dtype."""
@@ -85,9 +95,9 @@ class _Gate:
         return (uc + 1) * glu, d_g, d_u
 
     def fwd(self, gu: Tensor) -> Tensor:
-        gate, up = self._split(gu)
         if self._kernel(gu):
-            return _ext.C.ffn_act_fwd(gate, up, self.code, False, 0.0, None, self.limit)
+            return _ext.C.ffn_act_fwd(*self._halves(gu), self.code, False, 0.0, None, self.limit, self.up_shift)
+        gate, up = self._split(gu)
         acc = ref_ffn.acc_dtype(gu.dtype)
         if not self.clamped:
             return ref_ffn.gate_value(gate.to(acc), up.to(acc), self.code, self.limit).to(gu.dtype)
@@ -101,10 +111,13 @@ class _Gate:
         """(parts, h): parts [(rows of w_gate_up[e], their gradient (n, rows))]: the two halves
         (no (n, 2F) copy of their gradients), or all rows interleaved as one (n, 2F)."""
         F_ = gu.shape[1] // 2
-        gate, up = self._split(gu)
         if self._kernel(gu):  # one pass; h written over dh
-            d_gate, d_up, h = _ext.C.ffn_act_bwd(dh, gate, up, self.code, True, 0.0, None, self.limit)
+            d_gate, d_up, h = _ext.C.ffn_act_bwd(dh, *self._halves(gu), self.code, True, 0.0, None, self.limit,
+                                                 self.up_shift)
+            if self.interleaved:
+                return [(slice(None), torch.stack((d_gate, d_up), -1).reshape(gu.shape))], h
             return [(slice(0, F_), d_gate), (slice(F_, 2 * F_), d_up)], h
+        gate, up = self._split(gu)
         acc = ref_ffn.acc_dtype(gu.dtype)
         d = dh.to(acc)
         h, dg, du = self._math(gate.to(acc), up.to(acc))

@@ -234,14 +234,15 @@ inline std::vector<Tensor> ffn_down_bwd(const Tensor& dy, const Tensor& gate,
 }
 
 // ---- the FFN's activation / gate, one elementwise pass (the cpu.onednn route) ---------------
-// ffn_act_fwd(gate, up, activation, over_gate, dropout_p, rng_state, limit) -> h = act(gate) [* up]
+// ffn_act_fwd(gate, up, activation, over_gate, dropout_p, rng_state, limit, up_shift) -> h = act(gate) [* up]
 //   [* dropout's keep / (1 - p)] (over_gate: written over gate, which the caller must own: each
 //   element of gate is read before h's is written)
-// ffn_act_bwd(dh, gate, up, activation, need_h, dropout_p, rng_state, limit) -> {d_gate, d_up (gated),
+// ffn_act_bwd(dh, gate, up, activation, need_h, dropout_p, rng_state, limit, up_shift) -> {d_gate, d_up (gated),
 //   h (need_h)}: dh is a temporary the caller owns; h, or else d_gate, is written over it (each
 //   element of dh is read before that element of either is written)
 // gate / up / dh: (rows, F) with contiguous rows (gate and up may be the halves of one buffer).
-// limit > 0 (gated only): gate clamped above at limit and up to [-limit, limit] first.
+// limit > 0 (gated only): gate clamped above at limit and up to [-limit, limit] first; up_shift
+// (gated only): up + up_shift (after the clamp) in place of up.
 inline void check_act_operand(const Tensor& t, const Tensor& like, const char* what) {
   TORCH_CHECK(t.dim() == 2 && t.sizes() == like.sizes() && t.scalar_type() == like.scalar_type() &&
                   (t.stride(1) == 1 || t.size(1) <= 1) && t.device() == like.device(),
@@ -251,7 +252,7 @@ inline void check_act_operand(const Tensor& t, const Tensor& like, const char* w
 
 inline cpu::FfnActArgs ffn_act_args(const Tensor& gate, const optional<Tensor>& up,
                                     int64_t activation, double dropout_p, const optional<Tensor>& rng_state,
-                                    double limit = 0.0) {
+                                    double limit = 0.0, double up_shift = 0.0) {
   check_cpu(gate, "ffn_act");
   check_act_operand(gate, gate, "gate");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "fastformer._C.ffn_act: dropout_p must be in [0, 1), got ",
@@ -259,8 +260,10 @@ inline cpu::FfnActArgs ffn_act_args(const Tensor& gate, const optional<Tensor>& 
   cpu::FfnActArgs a;
   TORCH_CHECK(limit >= 0.0 && (limit == 0.0 || up.has_value()),
               "fastformer._C.ffn_act: limit must be >= 0 and set on gated calls only, got ", limit);
+  TORCH_CHECK(up_shift == 0.0 || up.has_value(), "fastformer._C.ffn_act: up_shift is for gated calls only");
   a.dropout_p = dropout_p;
   a.limit = limit;
+  a.up_shift = up_shift;
   std::tie(a.seed, a.offset) = seed_offset(rng_state);
   a.dtype = to_dtype(gate);
   a.activation = static_cast<int32_t>(activation);
@@ -284,8 +287,8 @@ inline void run_ffn_act(const cpu::FfnActArgs& a) {
 
 inline Tensor ffn_act_fwd(const Tensor& gate, const optional<Tensor>& up, int64_t activation,
                           bool over_gate, double dropout_p, const optional<Tensor>& rng_state,
-                          double limit) {
-  cpu::FfnActArgs a = ffn_act_args(gate, up, activation, dropout_p, rng_state, limit);
+                          double limit, double up_shift) {
+  cpu::FfnActArgs a = ffn_act_args(gate, up, activation, dropout_p, rng_state, limit, up_shift);
   Tensor h = over_gate ? gate : at::empty(gate.sizes(), gate.options());
   a.h = h.data_ptr();
   a.ld_h = h.stride(0);
@@ -296,8 +299,8 @@ inline Tensor ffn_act_fwd(const Tensor& gate, const optional<Tensor>& up, int64_
 inline std::vector<Tensor> ffn_act_bwd(const Tensor& dh, const Tensor& gate,
                                        const optional<Tensor>& up, int64_t activation,
                                        bool need_h, double dropout_p, const optional<Tensor>& rng_state,
-                                       double limit) {
-  cpu::FfnActArgs a = ffn_act_args(gate, up, activation, dropout_p, rng_state, limit);
+                                       double limit, double up_shift) {
+  cpu::FfnActArgs a = ffn_act_args(gate, up, activation, dropout_p, rng_state, limit, up_shift);
   check_act_operand(dh, gate, "dh");
   a.dh = dh.data_ptr();
   a.ld_dh = dh.stride(0);
