@@ -224,6 +224,17 @@ def test_moe_ffn_decode_rows_without_autograd(monkeypatch, dtype, rows, form):
     check("out", out, ref, low)
 
 
+@pytest.mark.parametrize("weights_on", ["output", "input"])
+def test_moe_ffn_zero_tokens(weights_on):
+    x, ids, weights, w_gu, w_d, _, _ = _case(3, 16, 12, 3, 2, False, F32)
+    x, ids, weights = x[:0].requires_grad_(), ids[:0], weights[:0].requires_grad_()
+    w_gu.requires_grad_()
+    out = ff.moe_ffn(x, ids, weights, w_gu, w_d, weights_on=weights_on)
+    assert out.shape == (0, 16)
+    out.sum().backward()
+    assert x.grad.shape == (0, 16) and weights.grad.shape == (0, 2) and not w_gu.grad.any()
+
+
 def test_moe_ffn_reads_transposed_weights():
     """Weights stored (E, D, 2F) / (E, F, D) (transformers' is_transposed) passed as views."""
     x, ids, weights, w_gu, w_d, _, _ = _case(11, 48, 20, 3, 2, False, F32, seed=4)

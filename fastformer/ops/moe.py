@@ -14,8 +14,8 @@ their order); for each expert with rows, its gathered rows xs (n_e, D) run the e
   ys = h w_down[e]^T (+ b)            (n_e, D)
 then each pair's ys times its weight goes back to its slot (with weights_on="input", Llama 4's
 form, the weight scales the gathered row xs instead), and the k slots of a token are summed
-(in the promoted dtype, as transformers' grouped_mm experts do; deterministic: no atomics, no
-index_add). The backward recomputes h from gu (with the activation's gradient in the same pass on
+(in the promoted dtype, as transformers' grouped_mm experts do, with fp32 accumulation: one
+batched GEMM per call; deterministic: no atomics, no index_add). The backward recomputes h from gu (with the activation's gradient in the same pass on
 CPU) and writes each expert's weight gradients straight into its slice of one (E, ...) buffer:
 autograd's own route for ``w[e]`` (what an eager loop over experts records) makes a zero-filled
 full-size gradient per expert touched. Memory saved for the backward: gu (S, 2F) and ys (S, D)
@@ -143,6 +143,7 @@ class _Routing:
         self.k = ids.shape[1]
         self.order = torch.argsort(flat, stable=True)
         self.token = torch.div(self.order, self.k, rounding_mode="floor")
+        self.inverse = None  # order's inverse permutation, made by combine()
         counts = torch.bincount(flat, minlength=n_experts).tolist()
         self.counts = counts
         self.spans, start = [], 0
@@ -151,11 +152,20 @@ class _Routing:
                 self.spans.append((e, start, start + n))
             start += n
 
-    def combine(self, rows: Tensor, n_tokens: int) -> Tensor:
-        """(S, C) rows in sorted order -> (N, C): each pair back to its slot, slots summed."""
-        pairs = torch.empty_like(rows)
-        pairs[self.order] = rows
-        return pairs.view(n_tokens, self.k, rows.shape[1]).sum(1)
+    def combine(self, rows: Tensor, n_tokens: int, weights: Optional[Tensor] = None) -> Tensor:
+        """(S, C) rows in sorted order -> (N, C): each pair back to its slot (a gather by the
+        inverse permutation), the k slots summed, each times its weight (N, k) when given, as one
+        batched GEMM (fp32 accumulation, one rounding; in the promoted dtype of rows and weights).
+        1024 tokens, k = 4, D = 1024, bf16 rows, 2-core Xeon: 2.0 ms against 8.3 for a scatter, a
+        product and a sum (torch's bf16 elementwise ops), 7.8 with the gather and those two."""
+        if self.inverse is None:
+            self.inverse = torch.empty_like(self.order)
+            self.inverse[self.order] = torch.arange(self.order.numel(), device=self.order.device)
+        pairs = rows.index_select(0, self.inverse).view(n_tokens, self.k, rows.shape[1])
+        dtype = rows.dtype if weights is None else torch.promote_types(rows.dtype, weights.dtype)
+        if weights is None:
+            weights = torch.ones((), dtype=dtype, device=rows.device).expand(n_tokens, self.k)
+        return torch.bmm(weights.reshape(n_tokens, 1, self.k).to(dtype), pairs.to(dtype)).view(n_tokens, rows.shape[1])
 
 
 def _scaled(xs: Tensor, w_sorted: Tensor) -> Tensor:
@@ -229,7 +239,7 @@ def _forward(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, gate: _Gate,
     w_sorted = weights.reshape(-1)[r.order]
     ys, gu = _experts_fwd(x, r, w_gate_up, b_gate_up, w_down, b_down, gate, keep_gu=keep,
                           w_on_input=w_sorted if on_input else None)
-    out = _combine_outputs(r, ys, None if on_input else w_sorted, x)
+    out = _combine_outputs(r, ys, None if on_input else weights, x)
     return out, gu, ys if keep and not on_input else None, r
 
 
@@ -358,10 +368,10 @@ def _moe_op_backward(ctx, grads):
 _moe_op.register_autograd(_moe_op_backward, setup_context=_moe_op_setup)
 
 
-def _combine_outputs(r: _Routing, ys: Tensor, w_sorted: Optional[Tensor], x: Tensor) -> Tensor:
-    """(N, D) in x's dtype: each token's slots summed, each times its weight unless the weights
-    scaled the inputs (w_sorted None)."""
-    return r.combine(ys if w_sorted is None else ys * w_sorted[:, None], x.shape[0]).to(x.dtype)
+def _combine_outputs(r: _Routing, ys: Tensor, weights: Optional[Tensor], x: Tensor) -> Tensor:
+    """(N, D) in x's dtype: each token's slots summed, each times its weight (N, k) unless the
+    weights scaled the inputs (None)."""
+    return r.combine(ys, x.shape[0], weights).to(x.dtype)
 
 
 def _routing_weight_grad(r: _Routing, a: Tensor, b: Tensor, weights: Tensor) -> Tensor:
