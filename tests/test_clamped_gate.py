@@ -73,6 +73,38 @@ def test_swiglu_ffn_limit_matches_eager_with_every_gradient(dtype, tokens, d, hi
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("tokens,d,hidden", [(17, 64, 128), (33, 96, 200)])  # the interpreter: small
+def test_triton_swiglu_ffn_limit_matches_eager(dtype, tokens, d, hidden):
+    """The Triton kernels' clamps (_gate, _gate_grads; under the interpreter on CPU): output and
+    every gradient, the inference route included."""
+    b = ff.backends.get("triton")
+    why = b.availability() or (None if "cpu" in b.devices() else "no CPU device")
+    if why:
+        pytest.skip(f"triton: {why}")
+    tensors = _ffn_case(tokens, d, hidden, True, dtype, seed=1)
+    dy = torch.randn(tokens, d, generator=torch.Generator().manual_seed(3)).to(dtype)
+
+    def ours(x, wg, wu, wd, bg, bu, bd):
+        return ff.swiglu_ffn(x, wg, wu, wd, bg, bu, bd, swiglu_limit=LIMIT)
+
+    def eager(*t):
+        return _eager_swiglu(*t, "silu", LIMIT)
+
+    with ff.use_backend("triton"):
+        y, grads = _grads(ours, tensors, dy)
+        assert ff.last_dispatch().backend == "triton"
+        with torch.no_grad():
+            y_inference = ours(*tensors)
+    y_o, grads_o = _grads(eager, [t.double() for t in tensors], dy.double())
+    y_l, grads_l = _grads(eager, tensors, dy) if dtype == BF16 else (None, [None] * 7)
+    check("y", y, y_o, y_l)
+    check("y (no grad)", y_inference, y_o, y_l)
+    for name, g, g_o, g_l in zip(("dx", "dwg", "dwu", "dwd", "dbg", "dbu", "dbd"), grads, grads_o, grads_l):
+        tol = 1e-5 if name == "dx" else row_sum_tol(2e-5, tokens)
+        check(name, g, g_o, g_l, grad=True, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 def test_values_at_the_limit_pass_the_gradient_as_torch_clamp(dtype):
     """g == L and u == +-L exactly: torch.clamp's backward passes the gradient at its bounds; so
     must the kernel's (identity projections make the pre-activations exactly x)."""

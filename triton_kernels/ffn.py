@@ -2,7 +2,8 @@
 
 Notation (fastformer/reference/ffn.py is the semantics): x (M tokens, D), W1 / Wg / Wu (F, D),
 W2 / Wd (D, F); pre = x W1^T + b1, hd = act(pre) * keep / (1 - p) with keep from Philox at
-element index token * F + unit; gated: g = x Wg^T + bg, u = x Wu^T + bu, h = act(g) * u.
+element index token * F + unit; gated: g = x Wg^T + bg, u = x Wu^T + bu, h = act(g) * u
+(with swiglu_limit L: g clamped above at L and u to [-L, L] first, _gate).
 
 Two kernels, both tiled GEMMs (BLOCK_M x BLOCK_N output tile, BLOCK_K steps, fp32 accumulators,
 grouped program order so that GROUP_M row blocks share B tiles in L2):
@@ -97,6 +98,27 @@ def _keep_scale(tok, unit, hidden, seed, rng_offset, drop_threshold, drop_scale)
     return tl.where(word >= drop_threshold.to(tl.uint32), drop_scale, 0.0)
 
 
+@triton.jit
+def _gate(g, u, limit, ACT: tl.constexpr, CLAMP: tl.constexpr):
+    """act(g) * u; CLAMP: g clamped above at limit and u to [-limit, limit] first (DeepSeek-V4)."""
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return _act(g, ACT) * u
+
+
+@triton.jit
+def _gate_grads(dh, g, u, limit, ACT: tl.constexpr, CLAMP: tl.constexpr):
+    """(d g, d u) of h = _gate(g, u): the clamps pass the gradient where their bounds hold."""
+    if CLAMP:
+        g_pass = g <= limit
+        u_pass = (u >= -limit) & (u <= limit)
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        return tl.where(g_pass, dh * u * _act_grad(g, ACT), 0.0), tl.where(u_pass, dh * _act(g, ACT), 0.0)
+    return dh * u * _act_grad(g, ACT), dh * _act(g, ACT)
+
+
 # ---- tiles -----------------------------------------------------------------------------------
 @triton.jit
 def _load(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols):
@@ -108,7 +130,8 @@ def _load(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols):
 
 @triton.jit
 def _hidden_tile(ptr, tok, unit, stride_tok, n_tok, hidden, seed, rng_offset, drop_threshold,
-                 drop_scale, MODE: tl.constexpr, ACT: tl.constexpr, DROPOUT: tl.constexpr):
+                 drop_scale, limit, MODE: tl.constexpr, ACT: tl.constexpr, DROPOUT: tl.constexpr,
+                 CLAMP: tl.constexpr):
     """(tokens x units) tile of the hidden activation, fp32: the stored h (PLAIN), act(pre) *
     keep from the saved pre (HIDDEN_ACT), act(g) * u from the saved [g | u] (HIDDEN_GATED)."""
     v = _load(ptr, tok, unit, stride_tok, 1, n_tok, hidden).to(tl.float32)
@@ -119,7 +142,7 @@ def _hidden_tile(ptr, tok, unit, stride_tok, n_tok, hidden, seed, rng_offset, dr
                              drop_threshold, drop_scale)
     elif MODE == 2:
         u = _load(ptr + hidden, tok, unit, stride_tok, 1, n_tok, hidden).to(tl.float32)
-        v = _act(v, ACT) * u
+        v = _gate(v, u, limit, ACT, CLAMP)
     return v
 
 
@@ -153,7 +176,9 @@ def ffn_act_matmul_kernel(
     M, N, K,
     seed, rng_offset, drop_threshold, drop_scale,  # dropout: Philox key, counter base,
                                                    # round(p * 2^32), 1 / (1 - p)
+    limit,          # gated, CLAMP: the gate's clamps (_gate)
     MODE: tl.constexpr, ACT: tl.constexpr, GATED: tl.constexpr, DROPOUT: tl.constexpr,
+    CLAMP: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_BIAS_UP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -190,19 +215,21 @@ def ffn_act_matmul_kernel(
             if TWO_ACC:
                 tl.store(s_ptrs + N, cast_to(acc_up, dtype, INTERPRET), mask=mask)
         else:
-            h = _act(acc, ACT)
             if TWO_ACC:
-                h = h * acc_up
-            elif DROPOUT:
-                h *= _keep_scale(rows[:, None], cols[None, :], N, seed, rng_offset,
-                                 drop_threshold, drop_scale)
+                h = _gate(acc, acc_up, limit, ACT, CLAMP)
+            else:
+                h = _act(acc, ACT)
+                if DROPOUT:
+                    h *= _keep_scale(rows[:, None], cols[None, :], N, seed, rng_offset,
+                                     drop_threshold, drop_scale)
             tl.store(o_ptrs, cast_to(h, dtype, INTERPRET), mask=mask)
     else:
         pre = tl.load(s_ptrs, mask=mask, other=0.0).to(tl.float32)
         if GATED:
             up = tl.load(s_ptrs + N, mask=mask, other=0.0).to(tl.float32)
-            tl.store(o_ptrs, cast_to(acc * up * _act_grad(pre, ACT), dtype, INTERPRET), mask=mask)
-            tl.store(o_ptrs + N, cast_to(acc * _act(pre, ACT), dtype, INTERPRET), mask=mask)
+            d_gate, d_up = _gate_grads(acc, pre, up, limit, ACT, CLAMP)
+            tl.store(o_ptrs, cast_to(d_gate, dtype, INTERPRET), mask=mask)
+            tl.store(o_ptrs + N, cast_to(d_up, dtype, INTERPRET), mask=mask)
         else:
             if DROPOUT:
                 acc *= _keep_scale(rows[:, None], cols[None, :], N, seed, rng_offset,
@@ -213,22 +240,24 @@ def ffn_act_matmul_kernel(
 # ---- GEMM with the hidden activation recomputed on load ---------------------------------------
 @triton.jit
 def _a_tile(ptr, rows, ks, stride_am, stride_ak, M, K, seed, rng_offset, drop_threshold,
-            drop_scale, MODE: tl.constexpr, ACT: tl.constexpr, DROPOUT: tl.constexpr):
+            drop_scale, limit, MODE: tl.constexpr, ACT: tl.constexpr, DROPOUT: tl.constexpr,
+            CLAMP: tl.constexpr):
     if MODE == 0:
         return _load(ptr, rows, ks, stride_am, stride_ak, M, K)
     # rows are tokens, ks hidden units (K = F)
     return _hidden_tile(ptr, rows, ks, stride_am, M, K, seed, rng_offset, drop_threshold,
-                        drop_scale, MODE, ACT, DROPOUT)
+                        drop_scale, limit, MODE, ACT, DROPOUT, CLAMP)
 
 
 @triton.jit
 def _b_tile(ptr, ks, cols, stride_bk, stride_bn, K, N, seed, rng_offset, drop_threshold,
-            drop_scale, MODE: tl.constexpr, ACT: tl.constexpr, DROPOUT: tl.constexpr):
+            drop_scale, limit, MODE: tl.constexpr, ACT: tl.constexpr, DROPOUT: tl.constexpr,
+            CLAMP: tl.constexpr):
     if MODE == 0:
         return _load(ptr, ks, cols, stride_bk, stride_bn, K, N)
     # ks are tokens, cols hidden units (N = F)
     return _hidden_tile(ptr, ks, cols, stride_bk, K, N, seed, rng_offset, drop_threshold,
-                        drop_scale, MODE, ACT, DROPOUT)
+                        drop_scale, limit, MODE, ACT, DROPOUT, CLAMP)
 
 
 @triton.jit(do_not_specialize=["seed", "rng_offset", "drop_threshold"])
@@ -244,8 +273,9 @@ def ffn_matmul_kernel(
     rowsum_ptr,     # (M,) fp32 row sums of op(A) (+ op(A2)), written by column block 0 (iff ROW_SUM)
     stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
     M, N, K,
-    seed, rng_offset, drop_threshold, drop_scale,
+    seed, rng_offset, drop_threshold, drop_scale, limit,
     A_MODE: tl.constexpr, B_MODE: tl.constexpr, ACT: tl.constexpr, DROPOUT: tl.constexpr,
+    CLAMP: tl.constexpr,
     HAS_SECOND: tl.constexpr, HAS_BIAS: tl.constexpr, ROW_SUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -260,9 +290,9 @@ def ffn_matmul_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + offs_k
         a = _a_tile(a_ptr, rows, ks, stride_am, stride_ak, M, K, seed, rng_offset,
-                    drop_threshold, drop_scale, A_MODE, ACT, DROPOUT)
+                    drop_threshold, drop_scale, limit, A_MODE, ACT, DROPOUT, CLAMP)
         b = _b_tile(b_ptr, ks, cols, stride_bk, stride_bn, K, N, seed, rng_offset,
-                    drop_threshold, drop_scale, B_MODE, ACT, DROPOUT)
+                    drop_threshold, drop_scale, limit, B_MODE, ACT, DROPOUT, CLAMP)
         if ROW_SUM:
             row_sum += tl.sum(a.to(tl.float32), axis=1)
         if A_MODE != 0:  # recomputed in fp32: the dot takes the operands' dtype

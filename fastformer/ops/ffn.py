@@ -105,7 +105,7 @@ FFN = OpDef("ffn", inputs=("x", "w1", "b1?", "w2", "b2?", "w_up?", "b_up?"), opt
 # N = 8: packed 2.27, torch 2.82; GELU (N, 768, 3072) N = 1: 1.23 vs 0.49, N = 8: 0.90 vs 1.26.
 _FEATURES = frozenset({"bias", "gated", "few_rows"})
 _NO_DROPOUT = frozenset({"activation", "store_preactivation"})
-_LIMIT = frozenset({"swiglu_limit"})  # the clamped gate: reference, cpu.onednn
+_LIMIT = frozenset({"swiglu_limit"})  # the clamped gate: reference, cpu.onednn, triton
 _EVERY = _NO_DROPOUT | {"dropout_p", "rng_state"}
 
 
@@ -313,7 +313,7 @@ class _Triton(Impl):
 
     backend = "triton"
     dtypes = GPU_FLOAT
-    options = _EVERY
+    options = _EVERY | _LIMIT
     features = _FEATURES | {"last_dim_strided"}
 
     def fwd(self, x, w1, b1, w2, b2, w_up, b_up, o):
@@ -575,8 +575,8 @@ def swiglu_ffn(x: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
         activation: as :func:`ffn`.
         swiglu_limit: None, or L > 0: the gate clamped above at L and the up projection to
             [-L, L] before ``act(gate) * up`` (DeepSeek-V4's SwiGLU); the clamps pass the
-            gradient where their bounds hold, as torch.clamp's. Runs on the cpu (cpu.onednn)
-            and reference backends.
+            gradient where their bounds hold, as torch.clamp's. Runs on the cpu (cpu.onednn),
+            triton and reference backends (cuda's cuBLAS route: triton).
 
     Returns:
         (..., d_model). Without autograd the two gated projections run as one GEMM; with it they

@@ -37,7 +37,7 @@ def _grid(M: int, N: int):
 
 
 def _matmul(a, a_strides, b, b_strides, c, c_strides, M, N, K, *, a_mode=0, b_mode=0, act=0,
-            dropout=(0, 0, 0, 1.0), second=None, bias=None, row_sum=None):
+            dropout=(0, 0, 0, 1.0), limit=0.0, second=None, bias=None, row_sum=None):
     """C = op(A) op(B) (+ op(A2) op(B2)) (+ bias) with ffn_matmul_kernel; row_sum: (M,) fp32 or None."""
     from ..triton_kernels import ffn as tk
     from ..triton_kernels import interpreter_mode
@@ -45,8 +45,8 @@ def _matmul(a, a_strides, b, b_strides, c, c_strides, M, N, K, *, a_mode=0, b_mo
     a2, b2 = second if second is not None else (a, b)
     kernel[_grid(M, N)](
         a, b, a2, b2, bias if bias is not None else c, c, row_sum if row_sum is not None else c,
-        *a_strides, *b_strides, *c_strides, M, N, K, *dropout,
-        A_MODE=a_mode, B_MODE=b_mode, ACT=act, DROPOUT=dropout[3] != 1.0,
+        *a_strides, *b_strides, *c_strides, M, N, K, *dropout, limit,
+        A_MODE=a_mode, B_MODE=b_mode, ACT=act, DROPOUT=dropout[3] != 1.0, CLAMP=limit > 0,
         HAS_SECOND=second is not None, HAS_BIAS=bias is not None, ROW_SUM=row_sum is not None,
         INTERPRET=interpreter_mode(), **config)
 
@@ -79,8 +79,9 @@ def ffn_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optiona
     kernel[_grid(M, F)](
         x2, w1, w_up, b1 if b1 is not None else x2, b_up if b_up is not None else x2,
         hidden, hidden, x2.stride(0), x2.stride(1), w1.stride(1), w1.stride(0),
-        hidden.stride(0), hidden.stride(0), M, F, D, *dropout,
+        hidden.stride(0), hidden.stride(0), M, F, D, *dropout, o.swiglu_limit,
         MODE=tk.MODE_FWD_SAVE if save_preactivation else tk.MODE_FWD_ACT, ACT=act, GATED=gated,
+        CLAMP=gated and o.swiglu_limit > 0,
         DROPOUT=dropout_p > 0 and not gated and not save_preactivation,
         HAS_BIAS=b1 is not None, HAS_BIAS_UP=gated and b_up is not None,
         INTERPRET=interpreter_mode(), **config)
@@ -89,7 +90,7 @@ def ffn_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optiona
         a_mode = tk.HIDDEN_GATED if gated else tk.HIDDEN_ACT
     y2 = y.view(M, D)
     _matmul(hidden, (hidden.stride(0), 1), w2, (w2.stride(1), w2.stride(0)), y2, y2.stride(),
-            M, D, F, a_mode=a_mode, act=act,
+            M, D, F, a_mode=a_mode, act=act, limit=o.swiglu_limit if gated else 0.0,
             dropout=dropout if save_preactivation else (0, 0, 0, 1.0), bias=b2)
     return y, (hidden if save_preactivation else x.new_empty((0,)))
 
@@ -119,7 +120,7 @@ def ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, w_up: Optional[Tensor
         db2_acc = torch.empty(D, **f32) if need_db2 else None
         _matmul(dy2, (dy2.stride(1), dy2.stride(0)), saved, (saved.stride(0), 1), dw2,
                 dw2.stride(), D, F, M, b_mode=hidden_mode, act=act, dropout=dropout,
-                row_sum=db2_acc)
+                limit=o.swiglu_limit if gated else 0.0, row_sum=db2_acc)
         db2 = db2_acc.to(x.dtype) if need_db2 else empty()
     elif need_db2:
         db2 = dy2.sum(0, dtype=torch.float32).to(x.dtype)
@@ -133,7 +134,8 @@ def ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, w_up: Optional[Tensor
         kernel[_grid(M, F)](
             dy2, w2, w2, dy2, dy2, saved, d_hidden, dy2.stride(0), dy2.stride(1),
             w2.stride(0), w2.stride(1), saved.stride(0), d_hidden.stride(0), M, F, D, *dropout,
-            MODE=tk.MODE_BWD, ACT=act, GATED=gated, DROPOUT=dropout_p > 0 and not gated,
+            o.swiglu_limit, MODE=tk.MODE_BWD, ACT=act, GATED=gated, DROPOUT=dropout_p > 0 and not gated,
+            CLAMP=gated and o.swiglu_limit > 0,
             HAS_BIAS=False, HAS_BIAS_UP=False, INTERPRET=interpreter_mode(), **config)
 
     if need_dx:
