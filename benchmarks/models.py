@@ -67,6 +67,17 @@ def _configs():
                                                        num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                                                        num_local_experts=16, num_experts_per_tok=1,
                                                        max_position_embeddings=4096), 1, 512),
+        # gpt-oss's form: attention sinks, sliding-window (128) and full layers alternating, 16
+        # experts of 1024 -> 2 x 1024 stored transposed with gate / up columns interleaved, its
+        # clamped SwiGLU, top 4. transformers has no sdpa path for it: "sdpa" is its eager
+        # attention (its default on CPU), with grouped_mm experts
+        "gpt-oss-style 2x1024 16 experts top-4": (t.GptOssConfig, t.GptOssForCausalLM,
+                                                  dict(vocab_size=32000, hidden_size=1024, intermediate_size=1024,
+                                                       num_hidden_layers=2, num_attention_heads=16,
+                                                       num_key_value_heads=4, head_dim=64, num_local_experts=16,
+                                                       num_experts_per_tok=4, sliding_window=128,
+                                                       layer_types=["sliding_attention", "full_attention"],
+                                                       max_position_embeddings=4096), 1, 1024),
         # the gate and up projections as one (2 x 5632, 2048) linear: ff.swiglu_ffn on its halves
         "Phi-3-style 4x2048 GQA 32/8": (t.Phi3Config, t.Phi3ForCausalLM, dict(llama, pad_token_id=0), 1, 1024),
         "BERT-base 12x768": (t.BertConfig, t.BertModel, dict(vocab_size=30522, hidden_size=768,
@@ -177,7 +188,8 @@ def build(c: dict):
     causal = "input_ids" in inputs and "attention_mask" not in inputs and "decoder_input_ids" not in inputs
     call_inputs = dict(inputs, labels=inputs["input_ids"]) if train and causal else inputs
     models = {}
-    for name, impl in (("eager", "eager"), ("sdpa", "sdpa")):
+    no_sdpa = not getattr(base, "_supports_sdpa", True)  # gpt-oss: transformers' default is eager
+    for name, impl in (("eager", "eager"), ("sdpa", "eager" if no_sdpa else "sdpa")):
         m = copy.deepcopy(base)
         m.set_attn_implementation(impl)
         models[name] = m
@@ -241,5 +253,7 @@ def build(c: dict):
     note = "max err: relative to sdpa's largest output value (training: the loss)"
     if per_token:
         note += "; mixture of experts: the median token's largest difference (routing flips)"
+    if no_sdpa:
+        note += "; sdpa: transformers has no sdpa path for this model, the column is its eager attention"
     row = Row("models", case_name(c), str(c["dtype"]).replace("torch.", ""), c["mode"], {}, {}, note=note)
     return fns, row, error
