@@ -37,25 +37,39 @@ SECONDS = 120
 TOLERANCE = 1e-5  # of the eager logits' largest value, fp32
 
 
-def _one(name: str, queue, package: str) -> None:
-    """In the child: ("eager fails", why) / ("ours fails", why) / ("ok", relative error)."""
+def child_setup(queue, package: str, memory: int = MEMORY_BYTES) -> bool:
+    """In a child: whether it runs the package under test (else it says so on the queue), with
+    its memory limit, one thread and no warnings."""
     if ff.__file__ != package:  # the package under test, not another copy on the child's path
         queue.put(("ours fails", f"the child imported fastformer from {ff.__file__}, not {package}"))
-        return
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
+        return False
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+    return True
+
+
+def small_model(name: str, auto_class, sizes: dict = SMALL):
+    """`name`'s model from its config's defaults with `sizes` (where the config has the field and
+    takes the value), random weights (seed 0), eager attention, eval mode."""
+    config = transformers.AutoConfig.for_model(name)
+    for key, value in sizes.items():
+        if hasattr(config, key):
+            try:
+                setattr(config, key, value)
+            except Exception:  # noqa: BLE001 - a config that validates the value: keep its own
+                pass
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return auto_class.from_config(config).eval()
+
+
+def _one(name: str, queue, package: str) -> None:
+    """In the child: ("eager fails", why) / ("ours fails", why) / ("ok", relative error)."""
+    if not child_setup(queue, package):
+        return
     try:
-        config = transformers.AutoConfig.for_model(name)
-        for key, value in SMALL.items():
-            if hasattr(config, key):
-                try:
-                    setattr(config, key, value)
-                except Exception:  # noqa: BLE001 - a config that validates the value: keep its own
-                    pass
-        config._attn_implementation = "eager"
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        model = small_model(name, transformers.AutoModelForCausalLM)
         ids = torch.randint(2, 90, (2, 13), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             ref = model(input_ids=ids).logits.double()
@@ -72,8 +86,9 @@ def _one(name: str, queue, package: str) -> None:
         queue.put(("ours fails", f"{type(exc).__name__}: {str(exc)[:200]}"))
 
 
-def _sweep(names: list, workers: int = 2) -> dict:
-    """{name: result of _one}, `workers` children at a time (one thread each). The children fork
+def _sweep(names: list, workers: int = 2, target=None) -> dict:
+    """{name: result of target (default _one)}, `workers` children at a time (one thread each),
+    target(name, queue, package) a module-level function of a test module. The children fork
     from a fresh server process (forkserver): forking this one, whose OpenMP thread pool earlier
     tests have started, could deadlock a child in libgomp. The server preloads torch and
     transformers only: it starts with the working directory on its path, where a source checkout's
@@ -85,7 +100,7 @@ def _sweep(names: list, workers: int = 2) -> dict:
     while pending or running:
         while pending and len(running) < workers:
             name, queue = pending.pop(0), ctx.Queue()
-            child = ctx.Process(target=_one, args=(name, queue, ff.__file__))
+            child = ctx.Process(target=target or _one, args=(name, queue, ff.__file__))
             child.start()
             running.append((name, child, queue, time.monotonic()))
         time.sleep(0.05)
