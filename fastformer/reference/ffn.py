@@ -132,7 +132,12 @@ def ffn_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optiona
         pre = torch.cat([pre, _linear(xf, w_up, b_up)], dim=1)
     saved = pre.to(x.dtype)
     drop = _dropout_scale(rng_state, (xf.shape[0], F_), dropout_p, x.device, acc)
-    hd, _, _ = _hidden(saved.to(acc), F_, w_up is not None, activation_code, drop, o.swiglu_limit)
+    saved_acc = saved.to(acc)
+    if w_up is not None:  # h alone: the gradient terms are the backward's
+        hd = gate_value(saved_acc[:, :F_], saved_acc[:, F_:], activation_code, o.swiglu_limit)
+    else:
+        hd = activation(saved_acc, activation_code)
+        hd = hd * drop if drop is not None else hd
     y = _linear(hd, w2, b2).to(x.dtype).reshape(x.shape)
     return y, (saved if o.store_preactivation else x.new_empty((0,)))
 
