@@ -17,7 +17,9 @@ from torch import Tensor
 
 from .. import _checks
 from ..reference.attention import CAUSAL_BOTTOM_RIGHT, CAUSAL_NONE
+from ..reference import rotary as rotary_ref
 from .attention import AttentionOptions, _softcap, _window, run
+from .rotary import apply_rotary
 
 
 def _int32_vector(fn: str, name: str, t, n: Optional[int], device) -> None:
@@ -137,7 +139,10 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                            cache_seqlens: Tensor, causal: bool = True, window=None,
                            softcap: Optional[float] = None, alibi_slopes: Optional[Tensor] = None,
                            sinks: Optional[Tensor] = None, scale: Optional[float] = None,
-                           block_table: Optional[Tensor] = None, return_lse: bool = False):
+                           block_table: Optional[Tensor] = None, return_lse: bool = False,
+                           rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
+                           rotary_interleaved: Optional[bool] = None,
+                           cache_batch_idx: Optional[Tensor] = None):
     """Attention of new queries against a KV cache, appending the new keys first
     (FlashAttention's ``flash_attn_with_kvcache``). Forward only: no gradient flows.
 
@@ -147,13 +152,25 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
             (num_blocks, Hkv, block_size, D) with ``block_table``.
         k_new, v_new: (B, Hkv, Lq, D) or None: written into the caches at positions
             ``cache_seqlens[b] .. cache_seqlens[b] + Lq`` **in place**, before attending.
-        cache_seqlens: int32 (B,): the tokens already in each row's cache (without k_new).
+        cache_seqlens: int32 (B,), or an int for every row: the tokens already in each row's
+            cache (without k_new).
         causal: bottom-right aligned (query i is token cache_seqlens[b] + i when k_new is
             given), as FlashAttention.
         window, softcap, alibi_slopes, sinks, scale: as ``ff.attention``.
         block_table: int32 (B, max_blocks): block b's key j lies in cache block
             ``block_table[b, j // block_size]``.
         return_lse: also return the log-sum-exp (B, H, Lq) fp32.
+        rotary_cos, rotary_sin: (L_ro, R/2) fp32 tables (fp64 for fp64 ``q``), R <= D even, as
+            ``ff.apply_rotary``'s: with ``k_new``, the new keys are rotated at their positions
+            ``cache_seqlens[b] + i`` before they are written, and the queries at the same
+            positions when ``causal`` or ``window`` is set, else all at ``cache_seqlens[b]``
+            (FlashAttention's rule). ``q`` and ``k_new`` themselves are not modified.
+        rotary_interleaved: required with the tables (FlashAttention defaults to True, Llama-style
+            models need False, and a wrong guess is a silent wrong answer): True rotates channel
+            pairs (2i, 2i + 1) (GPT-J), False (i, i + R/2) (GPT-NeoX, Llama's rotate_half).
+        cache_batch_idx: int32 (B,): row b reads and writes cache row ``cache_batch_idx[b]``
+            (the caches then have any number of rows); contiguous caches only. Duplicate indices
+            with ``k_new`` leave one of the writes, unspecified which (as FlashAttention).
 
     Returns:
         (B, H, Lq, Dv), or ``(out, lse)``. Batch row b attends to its first
@@ -172,7 +189,11 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         raise ValueError(f"{fn}: `k_cache` {tuple(k_cache.shape)} and `v_cache` "
                          f"{tuple(v_cache.shape)} must share their first three dims and match "
                          f"`q`'s head dim {D}")
+    if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
+        cache_seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     _int32_vector(fn, "cache_seqlens", cache_seqlens, B, q.device)
+    if cache_batch_idx is not None:
+        block_table = _batch_idx_as_blocks(fn, cache_batch_idx, block_table, k_cache, B, q.device)
     if block_table is not None:
         if not isinstance(block_table, Tensor) or block_table.dtype != torch.int32:
             got = block_table.dtype if isinstance(block_table, Tensor) else type(block_table).__name__
@@ -204,6 +225,10 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     _checks.flag(fn, "return_lse", return_lse)
     left, right = _window(fn, window)
     with torch.no_grad():
+        if rotary_cos is not None or rotary_sin is not None:
+            rotate_queries_at_each_position = causal or (left, right) != (-1, -1)
+            q, k_new = _rotary(fn, q, k_new, rotary_cos, rotary_sin, rotary_interleaved, cache_seqlens,
+                               rotate_queries_at_each_position)
         if k_new is not None:
             _append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
         o = AttentionOptions(causal=CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, scale=scale,
@@ -219,6 +244,63 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
             _checks.shape(fn, "sinks", sinks, (H,), " (one logit per query head)")
         out, lse = run(q, k_cache, v_cache, o)
     return (out, lse) if return_lse else out
+
+
+def _batch_idx_as_blocks(fn, cache_batch_idx, block_table, k_cache, B, device) -> Tensor:
+    """cache_batch_idx as a block table over the cache's rows: row b's only block is cache row
+    cache_batch_idx[b] (block size = the cache's length), so the paged kernels serve it."""
+    _int32_vector(fn, "cache_batch_idx", cache_batch_idx, B, device)
+    if block_table is not None:
+        raise ValueError(f"{fn}: `cache_batch_idx` indexes a contiguous cache; with `block_table` "
+                         "the table already says where each row's keys are")
+    rows = k_cache.shape[0]
+    if B and not 0 <= int(cache_batch_idx.min()) <= int(cache_batch_idx.max()) < rows:
+        raise ValueError(f"{fn}: `cache_batch_idx` {cache_batch_idx.tolist()} must index the "
+                         f"cache's {rows} rows")
+    return cache_batch_idx[:, None]
+
+
+def _rotary(fn, q, k_new, cos, sin, interleaved, cache_seqlens, queries_at_each_position):
+    """q and k_new rotated at their positions (new tensors): k_new's token i of row b at
+    cache_seqlens[b] + i, the queries there too or all at cache_seqlens[b]. Rows that all start at
+    the same position take ff.apply_rotary's one pass; others the reference math on per-row
+    tables gathered at their positions (decoding: a few rows of a few tokens)."""
+    if cos is None or sin is None:
+        raise ValueError(f"{fn}: `rotary_cos` and `rotary_sin` must be given together")
+    if k_new is None:
+        raise ValueError(f"{fn}: `rotary_cos` / `rotary_sin` rotate the new keys before they "
+                         "are cached: pass `k_new` and `v_new`")
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"{fn}: `rotary_interleaved` must be given as True (pairs 2i, 2i + 1: "
+                        "GPT-J, FlashAttention's default) or False (i, i + R/2: Llama's "
+                        f"rotate_half) with the rotary tables, got {interleaved!r}")
+    B, _, Lq, D = q.shape
+    acc = rotary_ref.acc_dtype(q.dtype)
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        _checks.tensor(fn, name, t, dims=(2,), dtypes=(acc,))
+    _checks.same_device(fn, "q", q, rotary_cos=cos, rotary_sin=sin)
+    _checks.shape(fn, "rotary_sin", sin, tuple(cos.shape), " (the shape of `rotary_cos`)")
+    if not 0 < 2 * cos.shape[1] <= D:
+        raise ValueError(f"{fn}: `rotary_cos` must be (L_ro, R/2) with 0 < R <= D = {D}, got "
+                         f"{tuple(cos.shape)}")
+    lens = cache_seqlens.long()
+    last = int(lens.max()) + Lq if B else 0
+    if last > cos.shape[0]:
+        raise ValueError(f"{fn}: `rotary_cos` has {cos.shape[0]} positions; the new tokens reach "
+                         f"position {last - 1}")
+    starts = lens.unique()
+    if starts.numel() == 1:  # one start for every row: the tables' rows are one slice
+        start = int(starts)
+        cos_k, sin_k = cos[start:start + Lq], sin[start:start + Lq]
+        k_new = apply_rotary(k_new, cos_k, sin_k, interleaved=interleaved)
+        if not queries_at_each_position:
+            cos_k, sin_k = cos[start].expand(Lq, -1).contiguous(), sin[start].expand(Lq, -1).contiguous()
+        return apply_rotary(q, cos_k, sin_k, interleaved=interleaved), k_new
+    pos = lens[:, None] + torch.arange(Lq, device=q.device)  # (B, Lq)
+    q_pos = pos if queries_at_each_position else lens[:, None].expand(B, Lq)
+    k_new = rotary_ref.rotary(k_new, cos[pos][:, None], sin[pos][:, None], interleaved, conj=False)
+    q = rotary_ref.rotary(q, cos[q_pos][:, None], sin[q_pos][:, None], interleaved, conj=False)
+    return q, k_new
 
 
 def _append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table) -> None:
