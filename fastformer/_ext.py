@@ -42,7 +42,8 @@ def _state() -> tuple:
     global _cpu_state
     if _cpu_state is None:
         info = C.cpu_info() if C is not None else {}
-        _cpu_state = (info.get("capability"), bool(info.get("amx_in_use")))
+        _cpu_state = (info.get("capability"), bool(info.get("amx_in_use")),
+                      info.get("bf16_attention_gemm") == "avx512_bf16")
     return _cpu_state
 
 
@@ -55,6 +56,12 @@ def cpu_level() -> str | None:
 def amx_in_use() -> bool:
     """Whether the kernels in use run bf16 on AMX tiles (the avx512 level, AMX on)."""
     return _state()[1]
+
+
+def bf16_dot_in_use() -> bool:
+    """Whether the kernels in use run bf16 on AVX512-BF16 dot products (the avx512 level, AMX not
+    in use, AVX512-BF16 on)."""
+    return _state()[2]
 
 
 def set_cpu_capability(level: str) -> None:
@@ -79,6 +86,8 @@ def set_cpu_amx(enable: bool) -> None:
 def set_cpu_avx512_bf16(enable: bool) -> None:
     """Run the bf16 attention GEMMs on AVX512-BF16 at the avx512 level where the CPU has it and
     AMX is not used (tests, benchmarks)."""
+    global _cpu_state
     from . import backends
     C.set_cpu_avx512_bf16(enable)
+    _cpu_state = None
     backends.clear_cache()

@@ -122,20 +122,42 @@ def test_kernel_refuses_more_than_8_reduced_precision_rows():
         ff._ext.C.linear_rows(torch.randn(9, 40), torch.randn(40, 4).t(), None)  # in-major: 1..8
 
 
-@pytest.mark.skipif(ff._ext.C is None or not ff._ext.amx_in_use(),
-                    reason="the bf16 few-row form runs on AMX tiles: this CPU / level has none in use")
-@pytest.mark.parametrize("rows", [1, 2, 3, 9, 16, 17, 33, 64, 65, 100])
+@contextlib.contextmanager
+def _bf16_form(form):
+    """bf16 calls on AMX tiles ("amx") or AVX512-BF16 dot products ("dot", AMX off) for the block;
+    skips where the CPU lacks the instructions."""
+    with _at_level("avx512"):
+        info = ff._ext.cpu_info()
+        try:
+            if form == "amx":
+                ff._ext.set_cpu_amx(True)
+            else:
+                ff._ext.set_cpu_avx512_bf16(True)
+                ff._ext.set_cpu_amx(False)
+        except ValueError as exc:  # the switch refuses what the CPU does not have
+            pytest.skip(f"this CPU cannot run bf16 on {form}: {exc}")
+        try:
+            yield
+        finally:
+            ff._ext.set_cpu_amx(info["amx_bf16"])
+            ff._ext.set_cpu_avx512_bf16(info["avx512_bf16"])
+
+
+@pytest.mark.parametrize("form", ["amx", "dot"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 16, 17, 33, 64, 65, 100])
 @pytest.mark.parametrize("in_f,out_f", [(32, 1), (64, 17), (96, 113), (128, 203), (512, 48)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_amx_form_matches_fp64_product(rows, in_f, out_f, bias):
-    """bf16 weights on AMX: weight rows as A tiles in place (strided rows here), x^T as
-    pair-word panels (rows padded to 16), blocks of 32 / 16 weight rows and the zero-padded
-    tail block."""
+def test_bf16_amx_and_dot_forms_match_fp64_product(form, rows, in_f, out_f, bias):
+    """bf16 weights read in place (strided rows here): on AMX as A tiles against x^T as pair-word
+    panels (rows padded to 16), blocks of 32 / 16 weight rows and the zero-padded tail block; on
+    AVX512-BF16 the dot form for 1-4 rows (8 / 4 / 2 weight rows per step, chunks of 8 rows of x)
+    and from 5 rows 8-row dot blocks over the panels, tails of either."""
     g = torch.Generator().manual_seed(rows * 1000 + in_f + out_f)
     x = torch.randn(rows, in_f, generator=g).bfloat16()
     w = torch.randn(out_f, in_f + 32, generator=g).bfloat16()[:, 16:16 + in_f]
     b = torch.randn(out_f, generator=g).bfloat16() if bias else None
-    got = ff._ext.C.linear_rows(x, w, b)
+    with _bf16_form(form):
+        got = ff._ext.C.linear_rows(x, w, b)
     want = F.linear(x.double(), w.double(), b.double() if bias else None)
     assert got.dtype == torch.bfloat16 and got.shape == (rows, out_f)
     assert_lowp_rule("y", got, want, F.linear(x, w, b), OUT_FACTOR, LOWP_ATOL[torch.bfloat16])
@@ -161,7 +183,7 @@ def test_linear_uses_the_kernel_only_where_it_is_measured_faster():
     w = small
     wb = w.bfloat16()
     assert lin.rows_kernel_takes(torch.randn(1, 32).bfloat16(), wb, None)
-    if ff._ext.amx_in_use():  # bf16 on AMX tiles: up to 64 rows, in features a multiple of 32
+    if ff._ext.amx_in_use() or ff._ext.bf16_dot_in_use():  # up to 64 rows, in features a multiple of 32
         assert lin.max_rows(torch.bfloat16) == 64
         assert lin.rows_kernel_takes(torch.randn(64, 32).bfloat16(), wb, None)
         assert not lin.rows_kernel_takes(torch.randn(65, 32).bfloat16(), wb, None)

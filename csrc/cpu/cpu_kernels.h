@@ -253,8 +253,8 @@ struct LinearRowsArgs {
   // 16 >= rows, the padding columns zero; x is then unused.
   const float* x_t = nullptr;
   int64_t ld_x_t = 0;
-  // bf16 weights, AMX in use (the avx512 level), in a multiple of 32: x as bf16 rows (rows, in)
-  // contiguous instead; x and x_t are then unused.
+  // bf16 weights, AMX or AVX512-BF16 in use (the avx512 level; bf16_gemm_mode()), in a multiple
+  // of 32: x as bf16 rows (rows, in) contiguous instead; x and x_t are then unused.
   const void* x_bf16 = nullptr;
 };
 

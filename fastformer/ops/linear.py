@@ -18,8 +18,12 @@ bf16 weights on AMX (in features a multiple of 32) take its AMX form, the weight
 place as tile rows: 26-27 GB/s for 1-16 rows where torch's oneDNN GEMM reads 20-22 (it reorders
 the weight on every call; ff.convert's prepacked copies read 22-23), same eight bf16 matrices:
 rows 1 1.22x, 2 1.26x, 8 1.29x, 16 1.29x, 32 1.23x, 64 1.23x, 96 1.10x; up to 64 taken. Without
-AMX, bf16 / fp16 weights take the dot form for one row only: with more rows the bf16-to-fp32
-conversion per weight vector made it 0.6-0.9x torch's (which uses AVX512-BF16 dot products there).
+AMX but with AVX512-BF16 (Zen 4 / Zen 5), bf16 weights (in features a multiple of 32) take its
+VDPBF16PS forms, which read the weight as it lies where torch's oneDNN GEMM streams it at 16-21
+GB/s for 1-8 rows and 13 GB/s at 16: 2-core Zen 4, the same matrices, ours / torch, rows 1
+1.72x, 2 1.42x, 4 1.28x, 5 1.10x, 6 1.20x, 8 1.28x, 16 1.61x, 32 1.38x, 64 1.18x (425 GFLOP/s),
+96 1.09x; up to 64 taken. Without either, bf16 / fp16 weights take the fp32 dot form for one row
+only: with more rows the bf16-to-fp32 conversion per weight vector made it 0.6-0.9x torch's.
 
 Weights stored in-major ((in, out), passed as the transposed view: GPT-2's Conv1D, gpt-oss's and
 Llama 4's stacked experts) take the kernel's in-major form for 1-8 rows (IN_MAJOR_MAX_ROWS below):
@@ -54,6 +58,7 @@ from ._opdef import owned, plain_tensor as _plain, rowwise
 MAX_ROWS = {"avx512": {torch.float32: 64, torch.bfloat16: 1, torch.float16: 1},
             "avx2": {torch.float32: 32, torch.bfloat16: 1, torch.float16: 1}}
 MAX_AMX_ROWS = 64
+MAX_DOT_ROWS = 64  # bf16 on AVX512-BF16 without AMX
 # MKL's fp32 GEMM on an Intel CPU reads the weights as fast as the kernel for 1-3 rows and has
 # less per-call cost: 2-core AMX Xeon, ours / torch, (11008 x 4096, 4096 x 11008, 4096 x 4096)
 # fp32 weights in turn (memory-bound) 1 row 1.01x, 2 rows 0.98x, 3 rows 0.94x, 4 rows 1.78x;
@@ -92,6 +97,8 @@ def max_rows(dtype: torch.dtype) -> int:
     """Most rows of x for which linear_rows.cpp takes a call with dtype weights (0: none)."""
     if dtype == torch.bfloat16 and _ext.amx_in_use():
         return MAX_AMX_ROWS
+    if dtype == torch.bfloat16 and _ext.bf16_dot_in_use():
+        return MAX_DOT_ROWS
     return MAX_ROWS.get(_ext.cpu_level(), {}).get(dtype, 0)
 
 
@@ -112,7 +119,7 @@ def rows_kernel_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool
         return False
     return (x.device.type == "cpu" and weight.device.type == "cpu" and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
-            and (rows == 1 or x.dtype == torch.float32 or x.shape[-1] % 32 == 0  # bf16: AMX tile rows
+            and (rows == 1 or x.dtype == torch.float32 or x.shape[-1] % 32 == 0  # bf16: 32-value steps
                  or weight.stride(1) != 1)
             and (bias is None or (_plain(bias) and bias.dtype == x.dtype
                                   and bias.shape == (weight.shape[0],) and bias.is_contiguous()))

@@ -6,8 +6,9 @@ namespace fastformer {
 namespace cpu_bindings {
 
 // linear_rows(x (rows, in), weight (out, in), bias) -> x W^T + b in x's dtype: rows <= 8 any
-// weight dtype, more rows f32 only. x is converted to f32 (f32, 3 or more rows: transposed, the
-// rows zero-padded to a multiple of 16), the weight and bias are read in place. A weight whose
+// weight dtype, more rows f32 (or bf16 on AMX / AVX512-BF16) only. x is converted to f32 (f32, 3
+// or more rows: transposed, the rows zero-padded to a multiple of 16; bf16 on AMX / AVX512-BF16:
+// kept as bf16 rows), the weight and bias are read in place. A weight whose
 // columns are contiguous instead (a transposed view of an (in, out) matrix) takes the in-major
 // form, 1..8 rows.
 inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<Tensor>& bias) {
@@ -19,18 +20,18 @@ inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<
                   (wt == at::kFloat || wt == at::kBFloat16 || wt == at::kHalf),
               "fastformer._C.linear_rows: weight must be an f32/bf16/f16 (out, in) matrix with "
               "contiguous rows or contiguous columns");
-  // bf16 weights on AMX tiles (in_features a multiple of 32): one row 26.9 GB/s against the
-  // dot form's 25.7 (linear_rows.cpp)
-  const bool amx = !in_major && wt == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 &&
-                   x.size(1) % 32 == 0 && cpu::bf16_gemm_mode() == cpu::Bf16Gemm::kAmx;
+  // bf16 weights on AMX tiles or, without AMX, on AVX512-BF16 dot products (in_features a
+  // multiple of 32, x as bf16 rows): faster than the fp32 dot form (linear_rows.cpp)
+  const bool bf16_rows = !in_major && wt == at::kBFloat16 && x.dim() == 2 && x.size(0) >= 1 &&
+                         x.size(1) % 32 == 0 && cpu::bf16_gemm_mode() != cpu::Bf16Gemm::kFp32;
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == weight.size(1) &&
-                  x.scalar_type() == wt && (x.size(0) <= 8 || (!in_major && (wt == at::kFloat || amx))),
+                  x.scalar_type() == wt && (x.size(0) <= 8 || (!in_major && (wt == at::kFloat || bf16_rows))),
               "fastformer._C.linear_rows: x must be (rows, in) in the weight's dtype, 1..8 rows "
-              "unless the weight is f32 with contiguous rows (or bf16 on AMX with in a multiple "
-              "of 32)");
+              "unless the weight is f32 with contiguous rows (or bf16 on AMX or AVX512-BF16 with "
+              "in a multiple of 32)");
   const bool transposed = !in_major && x.size(0) > 2 && wt == at::kFloat;  // measured: linear_rows.cpp
   Tensor xf;
-  if (amx) {
+  if (bf16_rows) {
     xf = x.contiguous();
   } else if (transposed) {
     const int64_t ld = (x.size(0) + 15) / 16 * 16;
@@ -53,7 +54,7 @@ inline Tensor linear_rows(const Tensor& x, const Tensor& weight, const optional<
   a.weight = weight.data_ptr();
   a.ld_weight = in_major ? weight.stride(1) : weight.stride(0);
   a.weight_in_major = in_major;
-  if (amx) {
+  if (bf16_rows) {
     a.x_bf16 = xf.data_ptr();
   } else if (transposed) {
     a.x_t = xf.data_ptr<float>();
