@@ -165,3 +165,16 @@ def test_kvcache_rotary_and_batch_idx_errors():
     with pytest.raises(ValueError, match="contiguous cache"):
         ff.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, cache_batch_idx=idx,
                                   block_table=torch.zeros(2, 1, dtype=torch.int32))
+
+
+def test_kvcache_rotary_tables_in_the_queries_dtype():
+    """FlashAttention takes the tables in q's dtype: the same as fp32 tables holding those values."""
+    q, k_cache, v_cache, k_new, v_new = _case(2, 4, 2, 3, 32, 2, 40, BF16)
+    cos, sin = (t.bfloat16() for t in _tables(40, 16))
+    lens = torch.tensor([5, 11], dtype=torch.int32)
+    kw = dict(cache_seqlens=lens, rotary_interleaved=False)
+    low = ff.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k_new, v_new, rotary_cos=cos,
+                                    rotary_sin=sin, **kw)
+    wide = ff.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos.float(),
+                                     rotary_sin=sin.float(), **kw)
+    assert torch.equal(low, wide)

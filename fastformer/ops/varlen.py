@@ -160,7 +160,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         block_table: int32 (B, max_blocks): block b's key j lies in cache block
             ``block_table[b, j // block_size]``.
         return_lse: also return the log-sum-exp (B, H, Lq) fp32.
-        rotary_cos, rotary_sin: (L_ro, R/2) fp32 tables (fp64 for fp64 ``q``), R <= D even, as
+        rotary_cos, rotary_sin: (L_ro, R/2) tables in fp32 (fp64 for fp64 ``q``) or ``q``'s
+            dtype (FlashAttention's; taken to fp32), R <= D even, as
             ``ff.apply_rotary``'s: with ``k_new``, the new keys are rotated at their positions
             ``cache_seqlens[b] + i`` before they are written, and the queries at the same
             positions when ``causal`` or ``window`` is set, else all at ``cache_seqlens[b]``
@@ -276,8 +277,9 @@ def _rotary(fn, q, k_new, cos, sin, interleaved, cache_seqlens, queries_at_each_
                         f"rotate_half) with the rotary tables, got {interleaved!r}")
     B, _, Lq, D = q.shape
     acc = rotary_ref.acc_dtype(q.dtype)
-    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
-        _checks.tensor(fn, name, t, dims=(2,), dtypes=(acc,))
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):  # q's dtype too, as FlashAttention's
+        _checks.tensor(fn, name, t, dims=(2,), dtypes=(acc,) if q.dtype == acc else (acc, q.dtype))
+    cos, sin = cos.to(acc), sin.to(acc)  # (L_ro, R/2): small
     _checks.same_device(fn, "q", q, rotary_cos=cos, rotary_sin=sin)
     _checks.shape(fn, "rotary_sin", sin, tuple(cos.shape), " (the shape of `rotary_cos`)")
     if not 0 < 2 * cos.shape[1] <= D:
