@@ -108,6 +108,8 @@ constexpr int block_weight_rows() {  // MR: MR x MV accumulators + MV x vectors 
 // Vectors of rows per chunk: 4 zmm (64 rows), 2 ymm (16 rows; 4 left 2 weight rows per block)
 constexpr int64_t kChunkVectors = Vectorized<float>::size() == 16 ? 4 : 2;
 
+constexpr int64_t kSumRun = 128;  // values of k per partial sum (a multiple of 16)
+
 template <int MV, int MR>
 inline void weight_block_t(const LinearRowsArgs& a, int64_t o, int64_t col) {
   using V = Vectorized<float>;
@@ -126,18 +128,29 @@ inline void weight_block_t(const LinearRowsArgs& a, int64_t o, int64_t col) {
       for (int v = 0; v < MV; ++v) acc[j][v] = at::vec::fmadd(wv, xv[v], acc[j][v]);
     }
   };
+  // Each lane sums its output over all of I: in runs of kSumRun values of k whose sums are added
+  // to `total` (L1), as a blocked GEMM's K loop does; one chain over I = 512-2048 had twice
+  // MKL's rounding error, which an ill-conditioned model (EmbeddingGemma at random weights)
+  // amplified to 2.3x eager fp32's error against fp64.
+  alignas(64) float total[MR][MV * kV] = {};
   int64_t k = 0;
-  for (; k + 16 <= I; k += 16) {
-    for (int j = 0; j < MR; ++j) __builtin_prefetch(W + j * ld + k + 128, 0, 3);
-    for (int kk = 0; kk < 16; ++kk) step(k + kk);
+  while (k < I) {
+    const int64_t run_end = std::min(I, k + kSumRun);
+    for (; k + 16 <= run_end; k += 16) {
+      for (int j = 0; j < MR; ++j) __builtin_prefetch(W + j * ld + k + 128, 0, 3);
+      for (int kk = 0; kk < 16; ++kk) step(k + kk);
+    }
+    for (; k < run_end; ++k) step(k);
+    for (int j = 0; j < MR; ++j)
+      for (int v = 0; v < MV; ++v) {
+        (V::loadu(total[j] + v * kV) + acc[j][v]).store(total[j] + v * kV);
+        acc[j][v] = V(0.0f);
+      }
   }
-  for (; k < I; ++k) step(k);
-  alignas(64) float lanes[MV * kV];
   const int64_t valid = std::min<int64_t>(MV * kV, a.rows - col);
   for (int j = 0; j < MR; ++j) {
-    for (int v = 0; v < MV; ++v) acc[j][v].store(lanes + v * kV);
     const float b = a.bias ? static_cast<const float*>(a.bias)[o + j] : 0.0f;
-    for (int64_t r = 0; r < valid; ++r) a.y[(col + r) * O + o + j] = lanes[r] + b;
+    for (int64_t r = 0; r < valid; ++r) a.y[(col + r) * O + o + j] = total[j][r] + b;
   }
 }
 
