@@ -16,10 +16,11 @@ F64, F32, BF16 = torch.float64, torch.float32, torch.bfloat16
 
 
 def _oracle(x, ids, weights, w_gu, w_d, b_gu, b_d, activation, interleaved=False, alpha=1.702, limit=None,
-            weights_on="output"):
+            weights_on="output", gated=True):
     """sum_j w[n, j] * down_e(h_e(x[n])), token by token, in x's dtype; h = act(gate) * up, or
     gpt-oss's clamped SwiGLU (up + 1) * g * sigmoid(alpha g) with g, up clamped at the limit (None:
-    7.0); a limit with another activation clamps gate and up first (DeepSeek-V4).
+    7.0); a limit with another activation clamps gate and up first (DeepSeek-V4); gated=False:
+    h = act(up), w_gu the up rows alone (NemotronH).
     weights_on="input": sum_j down_e(h_e(w[n, j] * x[n])) (Llama 4)."""
     F_ = w_d.shape[2]
     rows = []
@@ -29,6 +30,10 @@ def _oracle(x, ids, weights, w_gu, w_d, b_gu, b_d, activation, interleaved=False
             e = int(ids[n, j])
             x_in, w_out = (weights[n, j] * x[n], 1) if weights_on == "input" else (x[n], weights[n, j])
             gu = w_gu[e] @ x_in + (0 if b_gu is None else b_gu[e])
+            if not gated:
+                h = ref_ffn.activation(gu, ref_ffn.ACTIVATIONS.index(activation))
+                acc = acc + w_out * (w_d[e] @ h + (0 if b_d is None else b_d[e]))
+                continue
             gate, up = (gu[0::2], gu[1::2]) if interleaved else (gu[:F_], gu[F_:])
             if activation == "clamped_swiglu":
                 L = 7.0 if limit is None else limit
@@ -44,15 +49,16 @@ def _oracle(x, ids, weights, w_gu, w_d, b_gu, b_d, activation, interleaved=False
     return torch.stack(rows)
 
 
-def _case(N, D, F_, E, k, bias, dtype, seed=0, skip_expert=None):
+def _case(N, D, F_, E, k, bias, dtype, seed=0, skip_expert=None, gated=True):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(N, D, generator=g).to(dtype)
     choices = [e for e in range(E) if e != skip_expert]
     ids = torch.stack([torch.tensor(choices)[torch.randperm(len(choices), generator=g)[:k]] for _ in range(N)])
     weights = torch.rand(N, k, generator=g).to(dtype)
-    w_gu = (torch.randn(E, 2 * F_, D, generator=g) / D ** 0.5).to(dtype)
+    rows = 2 * F_ if gated else F_
+    w_gu = (torch.randn(E, rows, D, generator=g) / D ** 0.5).to(dtype)
     w_d = (torch.randn(E, D, F_, generator=g) / F_ ** 0.5).to(dtype)
-    b_gu = (0.1 * torch.randn(E, 2 * F_, generator=g)).to(dtype) if bias else None
+    b_gu = (0.1 * torch.randn(E, rows, generator=g)).to(dtype) if bias else None
     b_d = (0.1 * torch.randn(E, D, generator=g)).to(dtype) if bias else None
     return x, ids, weights, w_gu, w_d, b_gu, b_d
 
@@ -180,14 +186,14 @@ def test_moe_custom_op_pair_opcheck(weights_on):
     w_gu_t = w_gu.transpose(1, 2).contiguous().transpose(1, 2)
     on_input = weights_on == "input"
     tensors = [t.requires_grad_() for t in (x, weights, w_gu_t, w_d, b_gu, b_d)]
-    args = (tensors[0], ids, *tensors[1:], "silu", False, 1.702, 7.0, on_input)
+    args = (tensors[0], ids, *tensors[1:], "silu", False, 1.702, 7.0, True, on_input)
     torch.library.opcheck(moe._moe_op, (*args, True))
     torch.library.opcheck(moe._moe_op, (*[a.detach() if isinstance(a, torch.Tensor) else a for a in args], False))
     out, gu, ys = moe._moe_op(*args, True)
     assert gu.shape == (22, 24) and ys.shape == ((0,) if on_input else (22, 16))
     needs = [True, True, True, True, True, True]
     bwd_args = (torch.randn_like(out), x.detach(), ids, weights.detach(), w_gu_t.detach(), w_d.detach(),
-                gu.detach(), ys.detach(), "silu", False, 1.702, 7.0, on_input)
+                gu.detach(), ys.detach(), "silu", False, 1.702, 7.0, True, on_input)
     torch.library.opcheck(moe._moe_bwd_op, (*bwd_args, needs))
     torch.library.opcheck(moe._moe_bwd_op, (*bwd_args, [True, False, False, True, False, False]))
     grads = moe._moe_bwd_op(*bwd_args, needs)
@@ -222,6 +228,50 @@ def test_moe_ffn_decode_rows_without_autograd(monkeypatch, dtype, rows, form):
                                             interleaved=form == "gpt_oss", limit=kw.get("swiglu_limit"),
                                             weights_on=kw.get("weights_on", "output"))
     check("out", out, ref, low)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("activation", ["relu2", "gelu"])
+@pytest.mark.parametrize("bias,weights_on", [(False, "output"), (True, "output"), (False, "input")])
+def test_moe_ffn_without_a_gate(dtype, activation, bias, weights_on):
+    """Experts with an up projection alone (gated=False, NemotronH's relu2 experts): output and
+    every gradient against the fp64 oracle, an expert no token chose included, without autograd
+    too; the custom-op pair (torch.compile's route) with opcheck."""
+    from fastformer.ops import moe
+    x, ids, weights, w_u, w_d, b_u, b_d = _case(37, 48, 40, 5, 2, bias, dtype, seed=11, skip_expert=2, gated=False)
+    kw = dict(activation=activation, weights_on=weights_on, gated=False)
+    tensors = (x, weights, w_u, w_d, b_u, b_d)
+    g = torch.randn(37, 48, generator=torch.Generator().manual_seed(5))
+
+    def ours(*t):
+        return ff.moe_ffn(t[0], ids, *t[1:], **kw)
+
+    def oracle(*t):
+        return _oracle(t[0], ids, *t[1:], activation, weights_on=weights_on, gated=False)
+
+    names, grads, ref, ref_grads, low, low_grads = _check_against_oracle(ours, oracle, tensors, g, dtype)
+    assert not grads[2][2].any() and not grads[3][2].any()
+    with torch.no_grad():
+        check("out (no grad)", ours(*tensors), ref, low)
+    if dtype == F32:
+        leaves = [None if t is None else t.detach().requires_grad_() for t in tensors]
+        args = (leaves[0], ids, *leaves[1:], activation, False, 1.702, 0.0, False, weights_on == "input")
+        torch.library.opcheck(moe._moe_op, (*args, True))
+
+
+def test_moe_ffn_without_a_gate_fp64_gradcheck_and_decode():
+    x, ids, weights, w_u, w_d, b_u, b_d = _case(6, 8, 5, 3, 2, True, F64, seed=3, gated=False)
+    tensors = [t.requires_grad_() for t in (x, weights, w_u, w_d, b_u, b_d)]
+    assert torch.autograd.gradcheck(
+        lambda *t: ff.moe_ffn(t[0], ids, *t[1:], activation="relu2", gated=False), tensors)
+    for dtype in (F32, BF16):  # decode rows: fp32 on torch's grouped GEMM, bf16 on the few-row kernel
+        x, ids, weights, w_u, w_d, b_u, b_d = _case(3, 256, 96, 4, 2, False, dtype, seed=1, gated=False)
+        with torch.no_grad():
+            out = ff.moe_ffn(x, ids, weights, w_u, w_d, activation="relu2", gated=False)
+        up = [None if t is None else t.double() for t in (x, weights, w_u, w_d, b_u, b_d)]
+        ref = _oracle(up[0], ids, *up[1:], "relu2", gated=False)
+        low = None if dtype == F32 else _oracle(x, ids, weights, w_u, w_d, b_u, b_d, "relu2", gated=False)
+        check("out", out, ref, low)
 
 
 @pytest.mark.parametrize("weights_on", ["output", "input"])
@@ -272,6 +322,15 @@ def test_moe_ffn_bad_input():
         ff.moe_ffn(x, ids, weights, w_gu, w_d, interleaved=1)
     with pytest.raises(TypeError, match="`w_down`"):
         ff.moe_ffn(x, ids, weights, w_gu, w_d.double())
+    w_u = w_gu[:, :8]  # gated=False: (E, F, D)
+    with pytest.raises(ValueError, match="`w_down` must be \\(E, D, F\\) = \\(3, 16, 16\\)"):
+        ff.moe_ffn(x, ids, weights, w_gu, w_d, gated=False)
+    with pytest.raises(ValueError, match="neither `interleaved` nor `swiglu_limit`"):
+        ff.moe_ffn(x, ids, weights, w_u, w_d, gated=False, swiglu_limit=3.0)
+    with pytest.raises(ValueError, match="with gated=False"):
+        ff.moe_ffn(x, ids, weights, w_u, w_d, gated=False, activation="clamped_swiglu")
+    with pytest.raises(TypeError, match="`gated` must be a bool"):
+        ff.moe_ffn(x, ids, weights, w_u, w_d, gated=0)
 
 
 # ---- Hugging Face mixture-of-experts models --------------------------------------------------
@@ -525,3 +584,15 @@ def test_llama4_moe_converted_and_matching_fp32(top_k):
         loss, ref_loss = report.model(**_ids(), labels=labels).loss, copy.deepcopy(model).double()(
             **_ids(), labels=labels).loss
     assert abs(loss.item() - ref_loss.item()) <= 1e-5 * abs(ref_loss.item())
+
+
+def test_nemotron_h_experts_without_a_gate_converted_and_matching_fp32():
+    """NemotronH's experts (up_proj only, relu2) on ff.moe_ffn(gated=False): the logits and the
+    gradient of every parameter against the fp64 model."""
+    model = _moe_model("nemotron_h")
+    report = ff.convert(model, inplace=False)
+    converted = [path for path, _, kind in report.replaced if "ff.moe_ffn" in kind]
+    assert converted and not [why for _, typ, why in report.left if typ == "NemotronHExperts"], str(report)
+    out, grads = _run(report.model, _ids())
+    ref, ref_grads = _run(copy.deepcopy(model).double(), _ids())
+    assert_model_matches(out, grads, ref, ref_grads)

@@ -20,8 +20,9 @@ the same in other families  where a module's forward is Llama's (Gemma's, BERT's
                             Phi-3, SmolLM3, OLMoE, GLM, XLM-RoBERTa, ELECTRA, ...
 experts modules of MoE      ``ff.moe_ffn`` as transformers' experts implementation "fastformer"
 models (Mixtral, Qwen-MoE,  (integrations/hf_moe.py): gated experts, gate / up rows concatenated
-OLMoE, gpt-oss, DeepSeek,   or interleaved, the default gate or gpt-oss's clamped SwiGLU; others
-...)                        named in the report with the reason
+OLMoE, gpt-oss, DeepSeek,   or interleaved, the default gate or gpt-oss's clamped SwiGLU, and
+NemotronH, ...)             experts without a gate (up_proj only); others named in the report
+                            with the reason
 Llama 4's MoE blocks        ``ff.moe_ffn(weights_on="input")`` on the top-k experts (transformers
                             runs all of them); its RMSNorms, layers and loss as Llama's
 CLIP / SigLIP encoder       layer_norm2 with its residual add (by form: the vision towers

@@ -12,8 +12,9 @@ Taken: gated experts, gate and up rows concatenated or interleaved, stored eithe
 transposed (E, D, 2F) layout is read through views), with or without biases, with transformers'
 default gate (``act_fn(gate) * up``, an activation of the fused kernels), gpt-oss's clamped
 SwiGLU (interleaved; MiniMax-M3's on halves) or DeepSeek-V4's clamped ``act(gate) * up`` (each
-``_apply_gate`` recognized by its bytecode). Not taken: experts without a gate, any
-other ``_apply_gate``, a norm after each expert. A call the kernels do not take (activations in
+``_apply_gate`` recognized by its bytecode), and experts without a gate (``up_proj`` only:
+NemotronH's relu2 experts, ``gated=False``). Not taken: any other ``_apply_gate``, a norm after
+each expert. A call the kernels do not take (activations in
 another dtype than the weights, expert parallelism's sentinel ids) runs the implementation the
 module had before conversion. Under
 torch.compile ff.moe_ffn is a custom-op pair: a converted model compiles fullgraph on it.
@@ -54,10 +55,13 @@ def is_experts(m: nn.Module) -> bool:
 def _gate_of(m: nn.Module):
     """(ff.moe_ffn's gate keywords for m, None) or (None, why not)."""
     from transformers.integrations.moe import _default_apply_gate
-    if not m.has_gate:
-        return None, "experts without a gate projection (up_proj only): ff.moe_ffn runs gated experts"
     if getattr(m, "has_post_expert_norm", False):
         return None, "a norm after each expert: not in ff.moe_ffn"
+    if not m.has_gate:  # up_proj only (NemotronH): down(act(up(x)))
+        act = activation_name(getattr(m, "act_fn", None))
+        if act is None:
+            return None, f"activation {type(getattr(m, 'act_fn', None)).__name__} has no fused kernel"
+        return dict(activation=act, gated=False), None
     interleaved = not m.is_concatenated
     apply_gate = getattr(type(m), "_apply_gate", _default_apply_gate)
     limit = None
@@ -95,13 +99,14 @@ def _gate_form(family: str, experts_class: str):
 
 
 def _weights(m: nn.Module):
-    """(w_gate_up (E, 2F, D), w_down (E, D, F), b_gate_up, b_down) as ff.moe_ffn reads them."""
-    w_gu, w_d = m.gate_up_proj, m.down_proj
+    """(w_gate_up (E, 2F, D) or, without a gate, w_up (E, F, D), w_down (E, D, F), their biases)
+    as ff.moe_ffn reads them."""
+    w_gu, w_d = (m.gate_up_proj if m.has_gate else m.up_proj), m.down_proj
     if m.is_transposed:  # stored (E, D, 2F) and (E, F, D)
         w_gu, w_d = w_gu.transpose(1, 2), w_d.transpose(1, 2)
     if not m.has_bias:
         return w_gu, w_d, None, None
-    return w_gu, w_d, m.gate_up_proj_bias, m.down_proj_bias
+    return w_gu, w_d, (m.gate_up_proj_bias if m.has_gate else m.up_proj_bias), m.down_proj_bias
 
 
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -5,6 +5,8 @@ DeepSeek, ...), each a gated FFN, forward and backward, grouped by expert.
 
 with expert e's weights the slices of three stacked tensors, Hugging Face's layout:
 w_gate_up (E, 2F, D) = [gate rows; up rows], w_down (E, D, F), optional biases (E, 2F), (E, D).
+Experts without a gate (gated=False: NemotronH) have w_gate_up (E, F, D), the up rows, and
+h = act(up): the same loop with gu (n_e, F) and the pass without its gate.
 
 Algorithm. The N * k (token, slot) pairs are sorted by expert (a stable sort: equal ids keep
 their order); for each expert with rows, its gathered rows xs (n_e, D) run the expert's GEMMs:
@@ -56,13 +58,14 @@ class _Gate:
     on the FFN's fused pass (ffn_elementwise.cpp) on CPU: act(gate) * up, with DeepSeek-V4's
     clamps when limit > 0, and gpt-oss's clamped SwiGLU as quick_gelu(gate') * (up' + 1)
     (quick_gelu is g * sigmoid(1.702 g): gpt-oss's alpha). Interleaved gate / up columns are
-    copied into halves first (one pass). Elsewhere (another alpha, other dtypes and devices)
-    torch ops at fp32 (fp64 for fp64)."""
+    copied into halves first (one pass). Experts without a gate (gated=False: NemotronH) have
+    an up projection (rows, F) alone and h = act(up). Elsewhere (another alpha, other dtypes and
+    devices) torch ops at fp32 (fp64 for fp64)."""
 
-    def __init__(self, activation: str, interleaved: bool, alpha: float, limit: float):
+    def __init__(self, activation: str, interleaved: bool, alpha: float, limit: float, gated: bool = True):
         self.clamped = activation == CLAMPED_SWIGLU
         self.code = _ACT_CODE["quick_gelu"] if self.clamped else _ACT_CODE[activation]
-        self.interleaved, self.alpha, self.limit = interleaved, alpha, limit
+        self.interleaved, self.alpha, self.limit, self.gated = interleaved, alpha, limit, gated
         self.up_shift = 1.0 if self.clamped else 0.0
 
     def _split(self, gu: Tensor):
@@ -95,6 +98,10 @@ class _Gate:
         return (uc + 1) * glu, d_g, d_u
 
     def fwd(self, gu: Tensor) -> Tensor:
+        if not self.gated:
+            if _cpu_kernels(gu):
+                return _ext.C.ffn_act_fwd(gu, None, self.code, False, 0.0, None, 0.0, 0.0)
+            return ref_ffn.activation(gu.to(ref_ffn.acc_dtype(gu.dtype)), self.code).to(gu.dtype)
         if self._kernel(gu):
             return _ext.C.ffn_act_fwd(*self._halves(gu), self.code, False, 0.0, None, self.limit, self.up_shift)
         gate, up = self._split(gu)
@@ -110,6 +117,13 @@ class _Gate:
     def bwd(self, dh: Tensor, gu: Tensor):
         """(parts, h): parts [(rows of w_gate_up[e], their gradient (n, rows))]: the two halves
         (no (n, 2F) copy of their gradients), or all rows interleaved as one (n, 2F)."""
+        if not self.gated:  # h = act(up): d up = dh * act'(up)
+            if _cpu_kernels(gu):  # one pass; h written over dh
+                d_up, _, h = _ext.C.ffn_act_bwd(dh, gu, None, self.code, True, 0.0, None, 0.0, 0.0)
+                return [(slice(None), d_up)], h
+            u = gu.to(ref_ffn.acc_dtype(gu.dtype))
+            d_up = dh.to(u.dtype) * ref_ffn.activation_grad(u, self.code)
+            return [(slice(None), d_up.to(gu.dtype))], ref_ffn.activation(u, self.code).to(gu.dtype)
         F_ = gu.shape[1] // 2
         if self._kernel(gu):  # one pass; h written over dh
             d_gate, d_up, h = _ext.C.ffn_act_bwd(dh, *self._halves(gu), self.code, True, 0.0, None, self.limit,
@@ -175,9 +189,8 @@ def _scaled(xs: Tensor, w_sorted: Tensor) -> Tensor:
 
 def _experts_fwd(x, r: _Routing, w_gate_up, b_gate_up, w_down, b_down, gate: _Gate, keep_gu: bool,
                  w_on_input: Optional[Tensor]):
-    """ys (S, D) in sorted order, and gu (S, 2F) when keep_gu; w_on_input: the sorted routing
+    """ys (S, D) in sorted order, and gu (S, 2F; F without a gate) when keep_gu; w_on_input: the sorted routing
     weights when they scale the experts' inputs (weights_on="input")."""
-    F_ = w_down.shape[2]
     xs = x.index_select(0, r.token)
     if w_on_input is not None:
         xs = _scaled(xs, w_on_input)
@@ -186,7 +199,7 @@ def _experts_fwd(x, r: _Routing, w_gate_up, b_gate_up, w_down, b_down, gate: _Ga
     if few_rows and _grouped_decode(xs, r, w_gate_up, w_down):
         return _grouped_fwd(xs, r, w_gate_up, b_gate_up, w_down, b_down, gate), None
     ys = x.new_empty((S, x.shape[1]))
-    gu_all = x.new_empty((S, 2 * F_)) if keep_gu else None
+    gu_all = x.new_empty((S, w_gate_up.shape[1])) if keep_gu else None
     for e, lo, hi in r.spans:
         bg = None if b_gate_up is None else b_gate_up[e]
         bd = None if b_down is None else b_down[e]
@@ -246,7 +259,6 @@ def _forward(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, gate: _Gate,
 def _backward(d_out, x, r: _Routing, weights, w_gate_up, w_down, gu, ys, gate: _Gate, on_input: bool, needs):
     """(dx, d_weights, d_w_gate_up, d_w_down, d_b_gate_up, d_b_down), None where not needed."""
     need_x, need_w, need_wgu, need_wd, need_bgu, need_bd = needs
-    F_ = w_down.shape[2]
     d_out = rowwise(d_out)
     w_sorted = weights.reshape(-1)[r.order]
     d_pairs = d_out.index_select(0, r.token)                       # (S, D), sorted
@@ -261,7 +273,7 @@ def _backward(d_out, x, r: _Routing, weights, w_gate_up, w_down, gu, ys, gate: _
     dxs = torch.empty_like(xs) if need_x or (need_w and on_input) else None
     dw_gu = _expert_grad_buffer(w_gate_up, r) if need_wgu else None
     dw_d = _expert_grad_buffer(w_down, r) if need_wd else None
-    db_gu = x.new_zeros((w_gate_up.shape[0], 2 * F_), dtype=w_gate_up.dtype) if need_bgu else None
+    db_gu = x.new_zeros(w_gate_up.shape[:2], dtype=w_gate_up.dtype) if need_bgu else None
     db_d = x.new_zeros((w_down.shape[0], w_down.shape[1]), dtype=w_down.dtype) if need_bd else None
     for e, lo, hi in r.spans:
         dy, x_e = dys[lo:hi], xs_in[lo:hi]
@@ -316,16 +328,16 @@ class _MoEFFN(torch.autograd.Function):
 @torch.library.custom_op("fastformer::moe_ffn", mutates_args=())
 def _moe_op(x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
             b_gate_up: Optional[Tensor], b_down: Optional[Tensor], activation: str, interleaved: bool,
-            alpha: float, limit: float, on_input: bool, keep: bool) -> list[Tensor]:
+            alpha: float, limit: float, gated: bool, on_input: bool, keep: bool) -> list[Tensor]:
     """[out, gu, ys]; gu and ys empty unless keep (and on_input: ys empty)."""
-    gate = _Gate(activation, interleaved, alpha, limit)
+    gate = _Gate(activation, interleaved, alpha, limit, gated)
     out, gu, ys, _ = _forward(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, gate, on_input, keep)
     return [out, x.new_empty((0,)) if gu is None else gu, x.new_empty((0,)) if ys is None else ys]
 
 
 @_moe_op.register_fake
-def _(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activation, interleaved, alpha, limit, on_input,
-      keep):
+def _(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activation, interleaved, alpha, limit, gated,
+      on_input, keep):
     S = ids.numel()
     gu = x.new_empty((S, w_gate_up.shape[1])) if keep else x.new_empty((0,))
     ys = x.new_empty((S, x.shape[1])) if keep and not on_input else x.new_empty((0,))
@@ -335,15 +347,16 @@ def _(x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, activation, interle
 @torch.library.custom_op("fastformer::moe_ffn_bwd", mutates_args=())
 def _moe_bwd_op(d_out: Tensor, x: Tensor, ids: Tensor, weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
                 gu: Tensor, ys: Tensor, activation: str, interleaved: bool, alpha: float, limit: float,
-                on_input: bool, needs: list[bool]) -> list[Tensor]:
-    gate = _Gate(activation, interleaved, alpha, limit)
+                gated: bool, on_input: bool, needs: list[bool]) -> list[Tensor]:
+    gate = _Gate(activation, interleaved, alpha, limit, gated)
     r = _Routing(ids, w_gate_up.shape[0])
     grads = _backward(d_out, x, r, weights, w_gate_up, w_down, gu, ys, gate, on_input, needs)
     return [g if g is not None else x.new_empty((0,)) for g in grads]
 
 
 @_moe_bwd_op.register_fake
-def _(d_out, x, ids, weights, w_gate_up, w_down, gu, ys, activation, interleaved, alpha, limit, on_input, needs):
+def _(d_out, x, ids, weights, w_gate_up, w_down, gu, ys, activation, interleaved, alpha, limit, gated, on_input,
+      needs):
     E, F2, D = w_gate_up.shape
     like = (x.new_empty(x.shape), weights.new_empty(weights.shape), torch.empty_like(w_gate_up),
             torch.empty_like(w_down), w_gate_up.new_empty((E, F2)), w_down.new_empty((E, D)))
@@ -362,7 +375,7 @@ def _moe_op_backward(ctx, grads):
     x, ids, weights, w_gate_up, w_down, gu, ys = ctx.saved_tensors
     out = _moe_bwd_op(grads[0], x, ids, weights, w_gate_up, w_down, gu, ys, *ctx.options, ctx.needs)
     dx, d_weights, dw_gu, dw_d, db_gu, db_d = (g if need else None for g, need in zip(out, ctx.needs))
-    return dx, None, d_weights, dw_gu, dw_d, db_gu, db_d, None, None, None, None, None, None
+    return dx, None, d_weights, dw_gu, dw_d, db_gu, db_d, None, None, None, None, None, None, None
 
 
 _moe_op.register_autograd(_moe_op_backward, setup_context=_moe_op_setup)
@@ -408,7 +421,7 @@ def _weight_grad_into(out: Tensor, dy: Tensor, x: Tensor) -> None:
         torch.mm(dy.t(), x, out=out)
 
 
-def _check(fn, x, ids, weights, w_gate_up, w_down, b_gate_up, b_down) -> None:
+def _check(fn, x, ids, weights, w_gate_up, w_down, b_gate_up, b_down, gated: bool = True) -> None:
     _checks.tensor(fn, "x", x, dims=(2,))
     _checks.tensor(fn, "w_gate_up", w_gate_up, dims=(3,))
     _checks.tensor(fn, "w_down", w_down, dims=(3,))
@@ -423,11 +436,16 @@ def _check(fn, x, ids, weights, w_gate_up, w_down, b_gate_up, b_down) -> None:
     _checks.same_dtype(fn, "x", x, w_gate_up=w_gate_up, w_down=w_down)
     N, D = x.shape
     E, F2, Dg = w_gate_up.shape
-    if Dg != D or F2 % 2:
+    if not gated:
+        if Dg != D:
+            raise ValueError(f"{fn}: `w_gate_up` must be (E, F, D) with D = {D} (x's last dim), the up "
+                             f"rows (gated=False); got {tuple(w_gate_up.shape)}")
+    elif Dg != D or F2 % 2:
         raise ValueError(f"{fn}: `w_gate_up` must be (E, 2F, D) with D = {D} (x's last dim), the gate "
                          f"rows then the up rows; got {tuple(w_gate_up.shape)}")
-    if tuple(w_down.shape) != (E, D, F2 // 2):
-        raise ValueError(f"{fn}: `w_down` must be (E, D, F) = {(E, D, F2 // 2)} to match `w_gate_up` "
+    F_ = F2 // 2 if gated else F2
+    if tuple(w_down.shape) != (E, D, F_):
+        raise ValueError(f"{fn}: `w_down` must be (E, D, F) = {(E, D, F_)} to match `w_gate_up` "
                          f"{tuple(w_gate_up.shape)}; got {tuple(w_down.shape)}")
     for name, b, want in (("b_gate_up", b_gate_up, (E, F2)), ("b_down", b_down, (E, D))):
         if b is not None and tuple(b.shape) != want:
@@ -444,25 +462,31 @@ def _check(fn, x, ids, weights, w_gate_up, w_down, b_gate_up, b_down) -> None:
                              f"values in [{lo}, {hi}]")
 
 
-def _gate(fn: str, activation, interleaved, alpha, limit) -> _Gate:
-    names = (*ref_ffn.ACTIVATIONS, CLAMPED_SWIGLU)
+def _gate(fn: str, activation, interleaved, alpha, limit, gated) -> _Gate:
+    _checks.flag(fn, "gated", gated)
+    names = (*ref_ffn.ACTIVATIONS, CLAMPED_SWIGLU) if gated else ref_ffn.ACTIVATIONS
     if activation not in names:
-        raise ValueError(f"{fn}: `activation` must be one of {', '.join(names)}, got {activation!r}")
+        raise ValueError(f"{fn}: `activation` must be one of {', '.join(names)}"
+                         f"{'' if gated else ' with gated=False'}, got {activation!r}")
     _checks.flag(fn, "interleaved", interleaved)
+    if not gated and (interleaved or limit is not None):
+        raise ValueError(f"{fn}: experts without a gate (gated=False) take neither `interleaved` nor "
+                         f"`swiglu_limit`, got interleaved={interleaved!r}, swiglu_limit={limit!r}")
     alpha = _checks.number(fn, "swiglu_alpha", alpha, finite=True)
     if limit is None:  # gpt-oss's limit for its gate; no clamp for the others
         limit = GPT_OSS_LIMIT if activation == CLAMPED_SWIGLU else 0.0
     else:
         limit = _checks.number(fn, "swiglu_limit", limit, lo=0.0, lo_open=True, finite=True)
-    return _Gate(activation, interleaved, alpha, float(limit))
+    return _Gate(activation, interleaved, alpha, float(limit), gated)
 
 
 def moe_ffn(x: Tensor, expert_ids: Tensor, expert_weights: Tensor, w_gate_up: Tensor, w_down: Tensor,
             b_gate_up: Optional[Tensor] = None, b_down: Optional[Tensor] = None, *,
             activation: str = "silu", interleaved: bool = False, swiglu_alpha: float = 1.702,
-            swiglu_limit: Optional[float] = None, weights_on: str = "output") -> Tensor:
+            swiglu_limit: Optional[float] = None, weights_on: str = "output", gated: bool = True) -> Tensor:
     """The routed experts of a mixture-of-experts layer, each a gated FFN (SwiGLU with "silu",
-    GeGLU with "gelu" / "gelu_tanh"), grouped by expert.
+    GeGLU with "gelu" / "gelu_tanh") or, with ``gated=False``, a plain one (NemotronH's relu2
+    experts), grouped by expert.
 
     Args:
         x: (N, D) token rows.
@@ -485,6 +509,9 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, expert_weights: Tensor, w_gate_up: Te
         weights_on: "output" (Mixtral, ...: each expert's output times its weight) or "input"
             (Llama 4: the expert reads its weight times x, rounded to x's dtype, and the outputs
             are summed unweighted).
+        gated: False for experts without a gate projection: ``w_gate_up`` (E, F, D) (and
+            ``b_gate_up`` (E, F)) is the up projection alone and h = act(up); ``activation`` then one
+            of the FFN's (not "clamped_swiglu"), no ``interleaved`` or ``swiglu_limit``.
 
     Returns:
         (N, D) in x's dtype: ``sum_j expert_weights[n, j] * expert_{expert_ids[n, j]}(x[n])``
@@ -493,16 +520,16 @@ def moe_ffn(x: Tensor, expert_ids: Tensor, expert_weights: Tensor, w_gate_up: Te
         the weights. Gradients for x, expert_weights and every weight and bias.
     """
     fn = "moe_ffn"
-    gate = _gate(fn, activation, interleaved, swiglu_alpha, swiglu_limit)
+    gate = _gate(fn, activation, interleaved, swiglu_alpha, swiglu_limit, gated)
     if weights_on not in ("output", "input"):
         raise ValueError(f"{fn}: `weights_on` must be 'output' or 'input', got {weights_on!r}")
     on_input = weights_on == "input"
-    _check(fn, x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down)
+    _check(fn, x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, gated)
     tensors = (x, expert_weights, w_gate_up, w_down, b_gate_up, b_down)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if torch.compiler.is_compiling():
         return _moe_op(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, activation,
-                       interleaved, float(swiglu_alpha), gate.limit, on_input, grad)[0]
+                       interleaved, float(swiglu_alpha), gate.limit, gated, on_input, grad)[0]
     if grad:
         return _MoEFFN.apply(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, gate, on_input)
     return _forward(x, expert_ids, expert_weights, w_gate_up, w_down, b_gate_up, b_down, gate, on_input,
