@@ -37,7 +37,8 @@ namespace fastformer {
   X(int64_t, max_seqlen_q)                     \
   X(int64_t, max_seqlen_k)                     \
   X(std::optional<at::Tensor>, seqlens_k)      \
-  X(std::optional<at::Tensor>, block_table)
+  X(std::optional<at::Tensor>, block_table)    \
+  X(std::optional<at::Tensor>, leftpad_k)
 
 #define FF_NORM_OPTIONS(X) \
   X(double, eps)           \

@@ -1,11 +1,13 @@
 """ff.attention_with_kvcache's FlashAttention options beyond the attention ones: rotary tables
-(the new keys and the queries rotated at their positions before the keys are cached) and
-cache_batch_idx (batch row b on cache row cache_batch_idx[b]), on the cpu and reference backends.
+(the new keys and the queries rotated at their positions before the keys are cached),
+cache_batch_idx (batch row b on cache row cache_batch_idx[b]) and cache_leftpad (row b's cache
+starting at cache_leftpad[b]), on the cpu and reference backends.
 
 The oracle rotates q and k_new in fp64 at the positions FlashAttention's flash_attn_with_kvcache
 documents (keys at cache_seqlens[b] + i; queries there when causal or windowed, else all at
 cache_seqlens[b]), writes the keys into a copy of the cache, and attends per row with the eager
-oracle of tests/attention_oracle.py (fp32 against fp64 at 1e-5, bf16 by the error-ratio rule).
+oracle of tests/attention_oracle.py (fp32 against fp64 at 1e-5, bf16 by the error-ratio rule),
+the left padding as a key padding mask over the whole row (FlashAttention's test's rule).
 """
 import pytest
 import torch
@@ -45,8 +47,10 @@ def _case(B, H, Hkv, Lq, D, rows, L_max, dtype, seed=0):
     return r(B, H, Lq, D), r(rows, Hkv, L_max, D), r(rows, Hkv, L_max, D), r(B, Hkv, Lq, D), r(B, Hkv, Lq, D)
 
 
-def _expected(q, k_cache, v_cache, k_new, v_new, lens, rows, rotary, causal, window, dtype):
-    """(out in dtype's oracle precision, the caches after the call) by the documented rule."""
+def _expected(q, k_cache, v_cache, k_new, v_new, lens, rows, rotary, causal, window, dtype,
+              pads=None, alibi_slopes=None):
+    """(out in dtype's oracle precision, the caches after the call) by the documented rule;
+    pads: each row's left padding (keys before it masked)."""
     B, _, Lq, _ = q.shape
     q64, k64 = q.double(), k_new.double()
     lens_t = torch.tensor(lens)
@@ -60,11 +64,13 @@ def _expected(q, k_cache, v_cache, k_new, v_new, lens, rows, rotary, causal, win
     for b, n in enumerate(lens):
         kc[rows[b], :, n:n + Lq] = k64[b].to(kc.dtype)
         vc[rows[b], :, n:n + Lq] = v_new[b]
-    kw = dict(causal="bottom_right" if causal else False)
+    kw = dict(causal="bottom_right" if causal else False, alibi_slopes=alibi_slopes)
     if window is not None:
         kw["window"] = window
+    pads = pads or [0] * B
     outs = [oracle_attention(q64[b:b + 1].to(dtype), kc[rows[b]:rows[b] + 1, :, :n + Lq].to(dtype),
-                             vc[rows[b]:rows[b] + 1, :, :n + Lq].to(dtype), **kw)
+                             vc[rows[b]:rows[b] + 1, :, :n + Lq].to(dtype),
+                             key_padding_mask=(torch.arange(n + Lq) < pads[b])[None], **kw)
             for b, n in enumerate(lens)]
     return torch.cat(outs), kc, vc
 
@@ -178,3 +184,90 @@ def test_kvcache_rotary_tables_in_the_queries_dtype():
     wide = ff.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos.float(),
                                      rotary_sin=sin.float(), **kw)
     assert torch.equal(low, wide)
+
+
+def _paged(cache, block, seed=5):
+    """A contiguous (B, Hkv, L_max, D) cache as pages (B * L_max / block, Hkv, block, D) in a
+    shuffled order, and its block table."""
+    B, Hkv, L_max, D = cache.shape
+    n = L_max // block
+    order = torch.randperm(B * n, generator=torch.Generator().manual_seed(seed))
+    pages = torch.empty(B * n, Hkv, block, D, dtype=cache.dtype)
+    pages[order] = cache.reshape(B, Hkv, n, block, D).permute(0, 2, 1, 3, 4).reshape(B * n, Hkv, block, D)
+    return pages, order.reshape(B, n).to(torch.int32)
+
+
+def _unpaged(pages, table):
+    B, n = table.shape
+    Hkv, block, D = pages.shape[1:]
+    return pages[table.long()].permute(0, 2, 1, 3, 4).reshape(B, Hkv, n * block, D)
+
+
+LEFTPAD_CASES = [  # B, H, Hkv, Lq, D, cache_seqlens, cache_leftpad, L_max
+    (3, 4, 2, 1, 64, [17, 40, 113], [0, 23, 113], 128),  # decoding; the last row sees only its new key
+    (2, 8, 2, 4, 72, [30, 9], [5, 9], 48),                # speculative tokens, GQA 4
+    (2, 4, 4, 17, 128, [20, 33], [3, 16], 64),            # a prefill chunk (the flash kernels)
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", LEFTPAD_CASES, ids=lambda c: f"B{c[0]}Lq{c[3]}D{c[4]}")
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "batch_idx"])
+@pytest.mark.parametrize("mode", ["causal", "window", "not_causal", "alibi"])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_kvcache_leftpad_masks_the_padding(backend, case, layout, mode, dtype):
+    B, H, Hkv, Lq, D, lens, pads, L_max = case
+    rows = [B - 1 - b for b in range(B)] if layout == "batch_idx" else list(range(B))
+    q, k_cache, v_cache, k_new, v_new = _case(B, H, Hkv, Lq, D, B, L_max, dtype)
+    causal, window = mode != "not_causal", ((6, 0) if mode == "window" else None)
+    slopes = torch.rand(H, generator=torch.Generator().manual_seed(1)) * 0.3 if mode == "alibi" else None
+    rotary = (*_tables(L_max, D // 4), False)  # partial rotary, at the cache's positions
+    expect = [_expected(q, k_cache, v_cache, k_new, v_new, lens, rows, rotary, causal, window, dt,
+                        pads=pads, alibi_slopes=slopes) for dt in ((F64,) if dtype == F32 else (F32, BF16))]
+    kw = dict(cache_seqlens=torch.tensor(lens, dtype=torch.int32), causal=causal, window=window,
+              alibi_slopes=slopes, rotary_cos=rotary[0], rotary_sin=rotary[1], rotary_interleaved=False,
+              cache_leftpad=torch.tensor(pads, dtype=torch.int32))
+    if layout == "paged":
+        k_pages, table = _paged(k_cache, 16)
+        v_pages, _ = _paged(v_cache, 16)
+        caches, kw["block_table"] = (k_pages, v_pages), table
+    else:
+        caches = (k_cache, v_cache)
+        if layout == "batch_idx":
+            kw["cache_batch_idx"] = torch.tensor(rows, dtype=torch.int32)
+    with ff.use_backend(backend):
+        out = ff.attention_with_kvcache(q, *caches, k_new, v_new, **kw)
+        assert ff.last_dispatch().backend == backend
+    k_after, v_after = (_unpaged(c, table) for c in caches) if layout == "paged" else caches
+    torch.testing.assert_close(k_after, expect[0][1], atol=1e-6 if dtype == F32 else 0, rtol=1e-6 if dtype == F32 else 8e-3)
+    assert torch.equal(v_after, expect[0][2])
+    ref = expect[0][0]
+    check("out", out, ref.to(out.dtype) if dtype == F32 else ref, expect[1][0] if dtype == BF16 else None,
+          atol=1e-5, rtol=1e-5)
+
+
+def test_kvcache_leftpad_is_padding_left_out():
+    """A row padded by p gives the output of the same row without its first p keys."""
+    q, k_cache, v_cache, _, _ = _case(2, 4, 2, 1, 32, 2, 40, F32)
+    pads, lens = [7, 0], [25, 18]
+    padded = ff.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=torch.tensor(lens, dtype=torch.int32),
+                                       cache_leftpad=torch.tensor(pads, dtype=torch.int32))
+    trimmed = ff.attention_with_kvcache(q[:1], k_cache[:1, :, 7:].contiguous(), v_cache[:1, :, 7:].contiguous(),
+                                        cache_seqlens=torch.tensor([18], dtype=torch.int32))
+    torch.testing.assert_close(padded[:1], trimmed, atol=1e-6, rtol=1e-6)
+
+
+def test_kvcache_leftpad_errors():
+    q, k_cache, v_cache, _, _ = _case(2, 4, 2, 1, 16, 2, 32, F32)
+    lens = torch.tensor([3, 9], dtype=torch.int32)
+
+    def call(pad):
+        return ff.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, cache_leftpad=pad)
+    with pytest.raises(ValueError, match=r"`cache_leftpad` \[4, 0\] must be >= 0 and <= `cache_seqlens`"):
+        call(torch.tensor([4, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="must be >= 0"):
+        call(torch.tensor([-1, 0], dtype=torch.int32))
+    with pytest.raises(TypeError, match="`cache_leftpad` must be int32"):
+        call(torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match=r"`cache_leftpad` must have shape \(2,\)"):
+        call(torch.tensor([1], dtype=torch.int32))

@@ -205,10 +205,12 @@ inline const T* row_ptr(const View4& v, int64_t b, int64_t h, int64_t l) {
   return static_cast<const T*>(v.ptr) + b * v.s[0] + h * v.s[1] + l * v.s[2];
 }
 
-// Row j of kv head (b, h) of the keys or values: through the block table of a paged cache
-// (AttnArgs::block_table), else the view's row.
+// Row j of kv head (b, h) of the keys or values, counted from the row's first key (k_starts:
+// left padding): through the block table of a paged cache (AttnArgs::block_table), else the
+// view's row.
 template <typename T>
 inline const T* kv_row(const AttnArgs& a, const View4& v, int64_t b, int64_t h, int64_t j) {
+  if (a.k_starts) j += a.k_starts[b];
   if (!a.block_table) return row_ptr<T>(v, b, h, j);
   const int64_t block = a.block_table[b * a.bt_stride + j / a.block_size];
   return static_cast<const T*>(v.ptr) + block * v.s[0] + h * v.s[1] + (j % a.block_size) * v.s[2];

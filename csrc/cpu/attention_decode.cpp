@@ -20,7 +20,8 @@
 // count. With one split the task writes the output itself.
 // Memory: K and V of a kv head read once per call (memory-bound: 2 * Lk * D per kv head),
 // Q, out and the partials O(B * H * Lq * (D + splits * Dv)).
-// Variable key lengths (k_lens, a KV cache) and paged caches (block_table) are read directly.
+// Variable key lengths (k_lens, a KV cache; k_starts, its left padding) and paged caches
+// (block_table) are read directly.
 // One query row per task (multi-head attention decoding a token) skips the GEMMs, in every
 // dtype: scores as dot products with the cache's key rows and P V as axpys of its value rows,
 // in place, in fp32 (DecodeRowGemms). Otherwise the two GEMMs of a key block, per dtype and level:
@@ -304,8 +305,11 @@ struct DecodeBf16Gemms {
     const int64_t k0 = kb * kBlockK, lda = a.k.s[2];
     const auto key = [&](int64_t j) { return kv_row<T>(a, a.k, b, hkv, k0 + j); };
     // Groups read in place: whole 32-value segments, 16 keys of the block, inside one page
-    // (groups start at multiples of 16, as pages of a multiple of 16 keys do).
-    const bool segments_whole = sh.D == sh.D_bf16 && (!a.block_table || a.block_size % 16 == 0);
+    // (groups start at multiples of 16, as pages of a multiple of 16 keys do, unless a left
+    // padding moves the row's start off them).
+    const int64_t start = a.k_starts ? a.k_starts[b] : 0;
+    const bool segments_whole =
+        sh.D == sh.D_bf16 && (!a.block_table || (a.block_size % 16 == 0 && start % 16 == 0));
     const auto in_place = [&](int64_t j) { return segments_whole && j + 16 <= n_keys; };
     for (int64_t j = 0; j < cols;) {
       if (in_place(j)) {  // the run of groups at one stride: one GEMM
@@ -379,7 +383,7 @@ void attention_decode_typed(const AttnArgs& a, Bf16Gemm kind) {
     const int64_t split = task % n_split, bhkv = task / n_split;
     const int64_t b = bhkv / a.Hkv, hkv = bhkv % a.Hkv;
     AttnArgs ab = a;  // this row's key length (a KV cache: the band's d follows it)
-    if (a.k_lens) ab.Lk = a.k_lens[b];
+    if (a.k_lens) ab.Lk = a.k_lens[b] - (a.k_starts ? a.k_starts[b] : 0);
     const Shape<A> sh(ab);
     const int64_t kb_lo = sh.kb_begin(0), kb_hi = sh.kb_end(Lq);
     const int64_t per_split = (std::max<int64_t>(kb_hi - kb_lo, 0) + n_split - 1) / n_split;

@@ -19,8 +19,8 @@ inline View4 shifted(View4 v, int64_t batches, int64_t rows, int64_t elem) {
   return v;
 }
 
-// The calls of a packed call (cu_q / cu_k: sequence s) or a KV-cache call (k_lens: batch row
-// s), one per sequence, B = 1: lengths, views, lse, slopes and the dropout stream moved to the
+// The calls of a packed call (cu_q / cu_k: sequence s) or a KV-cache call (k_lens and k_starts:
+// batch row s), one per sequence, B = 1: lengths, views, lse, slopes and the dropout stream moved to the
 // sequence (stream offsets: the sum of the earlier sequences' H * Lq * Lk, as
 // reference/varlen.py).
 inline std::vector<AttnArgs> split_sequences(const AttnArgs& a) {
@@ -31,7 +31,7 @@ inline std::vector<AttnArgs> split_sequences(const AttnArgs& a) {
   uint64_t stream = a.offset;
   for (int64_t s = 0; s < S; ++s) {
     AttnArgs e = a;
-    e.cu_q = e.cu_k = e.k_lens = nullptr;
+    e.cu_q = e.cu_k = e.k_lens = e.k_starts = nullptr;
     e.n_seqs = 0;
     e.B = 1;
     int64_t qb = s, qr = 0, kb = s, kr = 0;  // batch rows and rows moved
@@ -43,10 +43,14 @@ inline std::vector<AttnArgs> split_sequences(const AttnArgs& a) {
       e.Lk = a.cu_k[s + 1] - kr;
       if (e.dsinks) e.dsinks = static_cast<char*>(e.dsinks) + s * a.H * acc;  // (S, H) parts
     } else {
-      e.Lk = a.k_lens[s];
-      if (a.block_table) {  // the pages stay where they are; the row's table moves
+      const int64_t start = a.k_starts ? a.k_starts[s] : 0;
+      e.Lk = a.k_lens[s] - start;
+      if (a.block_table) {  // the pages stay where they are; the row's table and start move
         kb = 0;
         e.block_table += s * a.bt_stride;
+        if (a.k_starts) e.k_starts = a.k_starts + s;
+      } else {
+        kr = start;
       }
       if (e.key_padding_mask) e.key_padding_mask += s * a.kpm_s[0];
       e.attn_mask = shifted(e.attn_mask, s, 0, e.mask_is_bool ? 1 : dtype_size(e.mask_dtype));
@@ -80,6 +84,7 @@ AttnArgs gather_pages(AttnArgs s, std::vector<T>& buf) {
   s.k = View4{keys, {s.Hkv * s.Lk * s.D, s.Lk * s.D, s.D, 1}};
   s.v = View4{values, {s.Hkv * s.Lk * s.Dv, s.Lk * s.Dv, s.Dv, 1}};
   s.block_table = nullptr;
+  s.k_starts = nullptr;  // the copies begin at the row's first key
   return s;
 }
 

@@ -111,7 +111,9 @@ struct AttnArgs {
   // per sequence, attention_sequences.h's split_sequences, or decode it, attention_decode.cpp):
   //   packed: B = 1, the views (1, H, total, D); sequence s is rows cu_q[s] .. cu_q[s + 1] of q
   //   and cu_k[s] .. cu_k[s + 1] of k / v (n_seqs of them; ALiBi slopes (S, H): row s);
-  //   a KV cache: batch row b's keys are rows 0 .. k_lens[b] (the band's d: k_lens[b] - Lq);
+  //   a KV cache: batch row b's keys are rows 0 .. k_lens[b] (the band's d: k_lens[b] - Lq),
+  //   or k_starts[b] .. k_lens[b] with k_starts (left padding: the row is read as if it began
+  //   there, so its key j is cache row k_starts[b] + j and d is k_lens[b] - k_starts[b] - Lq);
   //   paged: k, v are (blocks, Hkv, block_size, D), key j of row b in block
   //   block_table[b * bt_stride + j / block_size] (the decode kernel reads them; the bindings
   //   gather pages for other calls).
@@ -119,6 +121,7 @@ struct AttnArgs {
   const int32_t* cu_k = nullptr;
   int64_t n_seqs = 0;
   const int32_t* k_lens = nullptr;
+  const int32_t* k_starts = nullptr;
   const int32_t* block_table = nullptr;
   int64_t bt_stride = 0, block_size = 0;
   // backward outputs of the differentiable options (accumulation type; null: not needed)

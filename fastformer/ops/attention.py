@@ -69,6 +69,9 @@ class AttentionOptions(Options):
     block_table: Optional[Tensor] = None  # int32 (B, max_blocks): k, v paged (blocks, Hkv,
                                           # block_size, D), key j of batch b in block
                                           # block_table[b, j // block_size]
+    leftpad_k: Optional[Tensor] = None    # int32 (B,), with seqlens_k: batch b's keys are rows
+                                          # leftpad_k[b] .. seqlens_k[b] (FlashAttention's
+                                          # cache_leftpad; d = seqlens_k[b] - leftpad_k[b] - Lq)
 
     differentiable = ("attn_mask", "sinks", "rel_bias")
 
@@ -134,7 +137,7 @@ _MASKS_DROPOUT = frozenset({"dropout_p", "rng_state", "attn_mask", "key_padding_
 _VARIANTS = frozenset({"window_left", "window_right", "softcap", "alibi_slopes", "sinks",
                        "rel_bias"})
 _PACKED = frozenset({"cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"})
-_LENGTHS = _PACKED | {"seqlens_k", "block_table"}
+_LENGTHS = _PACKED | {"seqlens_k", "block_table", "leftpad_k"}
 
 
 def causal_mode(fn: str, causal) -> int:

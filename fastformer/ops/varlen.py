@@ -142,7 +142,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                            block_table: Optional[Tensor] = None, return_lse: bool = False,
                            rotary_cos: Optional[Tensor] = None, rotary_sin: Optional[Tensor] = None,
                            rotary_interleaved: Optional[bool] = None,
-                           cache_batch_idx: Optional[Tensor] = None):
+                           cache_batch_idx: Optional[Tensor] = None,
+                           cache_leftpad: Optional[Tensor] = None):
     """Attention of new queries against a KV cache, appending the new keys first
     (FlashAttention's ``flash_attn_with_kvcache``). Forward only: no gradient flows.
 
@@ -165,17 +166,24 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
             ``ff.apply_rotary``'s: with ``k_new``, the new keys are rotated at their positions
             ``cache_seqlens[b] + i`` before they are written, and the queries at the same
             positions when ``causal`` or ``window`` is set, else all at ``cache_seqlens[b]``
-            (FlashAttention's rule). ``q`` and ``k_new`` themselves are not modified.
+            (FlashAttention's rule; cache positions, ``cache_leftpad`` included). ``q`` and
+            ``k_new`` themselves are not modified.
         rotary_interleaved: required with the tables (FlashAttention defaults to True, Llama-style
             models need False, and a wrong guess is a silent wrong answer): True rotates channel
             pairs (2i, 2i + 1) (GPT-J), False (i, i + R/2) (GPT-NeoX, Llama's rotate_half).
         cache_batch_idx: int32 (B,): row b reads and writes cache row ``cache_batch_idx[b]``
             (the caches then have any number of rows); contiguous caches only. Duplicate indices
             with ``k_new`` leave one of the writes, unspecified which (as FlashAttention).
+        cache_leftpad: int32 (B,): row b's cache starts at position ``cache_leftpad[b]``
+            (left-padded prompts): keys before it are not attended, and the causal diagonal,
+            window and ALiBi distances are those of the cache's positions (FlashAttention's).
+            ``0 <= cache_leftpad[b] <= cache_seqlens[b]``; ``cache_seqlens`` still counts the
+            padding. Contiguous and paged caches (FlashAttention takes contiguous only).
 
     Returns:
         (B, H, Lq, Dv), or ``(out, lse)``. Batch row b attends to its first
-        ``cache_seqlens[b] + Lq`` keys (``cache_seqlens[b]`` without k_new).
+        ``cache_seqlens[b] + Lq`` keys (``cache_seqlens[b]`` without k_new), from
+        ``cache_leftpad[b]`` on.
     """
     fn = "attention_with_kvcache"
     _checks.tensor(fn, "q", q, dims=(4,))
@@ -222,6 +230,12 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     if any(n < 0 for n in lens) or max(lens, default=0) + n_new > capacity:
         raise ValueError(f"{fn}: `cache_seqlens` {lens} + {n_new} new tokens must fit the cache "
                          f"({capacity} slots per row) and be >= 0")
+    if cache_leftpad is not None:
+        _int32_vector(fn, "cache_leftpad", cache_leftpad, B, q.device)
+        pads = cache_leftpad.tolist()
+        if any(not 0 <= p <= n for p, n in zip(pads, lens)):
+            raise ValueError(f"{fn}: `cache_leftpad` {pads} must be >= 0 and <= `cache_seqlens` "
+                             f"{lens}, row by row")
     _checks.flag(fn, "causal", causal)
     _checks.flag(fn, "return_lse", return_lse)
     left, right = _window(fn, window)
@@ -229,14 +243,14 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         if rotary_cos is not None or rotary_sin is not None:
             rotate_queries_at_each_position = causal or (left, right) != (-1, -1)
             q, k_new = _rotary(fn, q, k_new, rotary_cos, rotary_sin, rotary_interleaved, cache_seqlens,
-                               rotate_queries_at_each_position)
+                               lens, rotate_queries_at_each_position)
         if k_new is not None:
             _append(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
         o = AttentionOptions(causal=CAUSAL_BOTTOM_RIGHT if causal else CAUSAL_NONE, scale=scale,
                              window_left=left, window_right=right, softcap=_softcap(fn, softcap),
                              alibi_slopes=alibi_slopes, sinks=sinks,
                              seqlens_k=(cache_seqlens + n_new).to(torch.int32),
-                             block_table=block_table)
+                             block_table=block_table, leftpad_k=cache_leftpad)
         if scale is not None:
             o.scale = _checks.number(fn, "scale", scale, finite=True)
         if alibi_slopes is not None:
@@ -261,9 +275,9 @@ def _batch_idx_as_blocks(fn, cache_batch_idx, block_table, k_cache, B, device) -
     return cache_batch_idx[:, None]
 
 
-def _rotary(fn, q, k_new, cos, sin, interleaved, cache_seqlens, queries_at_each_position):
+def _rotary(fn, q, k_new, cos, sin, interleaved, cache_seqlens, lens, queries_at_each_position):
     """q and k_new rotated at their positions (new tensors): k_new's token i of row b at
-    cache_seqlens[b] + i, the queries there too or all at cache_seqlens[b]. Rows that all start at
+    cache_seqlens[b] + i (lens: the same as a list), the queries there too or all at cache_seqlens[b]. Rows that all start at
     the same position take ff.apply_rotary's one pass; others the reference math on per-row
     tables gathered at their positions (decoding: a few rows of a few tokens)."""
     if cos is None or sin is None:
@@ -285,21 +299,20 @@ def _rotary(fn, q, k_new, cos, sin, interleaved, cache_seqlens, queries_at_each_
     if not 0 < 2 * cos.shape[1] <= D:
         raise ValueError(f"{fn}: `rotary_cos` must be (L_ro, R/2) with 0 < R <= D = {D}, got "
                          f"{tuple(cos.shape)}")
-    lens = cache_seqlens.long()
-    last = int(lens.max()) + Lq if B else 0
+    last = max(lens) + Lq if B else 0
     if last > cos.shape[0]:
         raise ValueError(f"{fn}: `rotary_cos` has {cos.shape[0]} positions; the new tokens reach "
                          f"position {last - 1}")
-    starts = lens.unique()
-    if starts.numel() == 1:  # one start for every row: the tables' rows are one slice
-        start = int(starts)
+    if len(set(lens)) == 1:  # one start for every row: the tables' rows are one slice
+        start = lens[0]
         cos_k, sin_k = cos[start:start + Lq], sin[start:start + Lq]
         k_new = apply_rotary(k_new, cos_k, sin_k, interleaved=interleaved)
         if not queries_at_each_position:
             cos_k, sin_k = cos[start].expand(Lq, -1).contiguous(), sin[start].expand(Lq, -1).contiguous()
         return apply_rotary(q, cos_k, sin_k, interleaved=interleaved), k_new
-    pos = lens[:, None] + torch.arange(Lq, device=q.device)  # (B, Lq)
-    q_pos = pos if queries_at_each_position else lens[:, None].expand(B, Lq)
+    starts = cache_seqlens.long()[:, None]
+    pos = starts + torch.arange(Lq, device=q.device)  # (B, Lq)
+    q_pos = pos if queries_at_each_position else starts.expand(B, Lq)
     k_new = rotary_ref.rotary(k_new, cos[pos][:, None], sin[pos][:, None], interleaved, conj=False)
     q = rotary_ref.rotary(q, cos[q_pos][:, None], sin[q_pos][:, None], interleaved, conj=False)
     return q, k_new

@@ -5,9 +5,10 @@ alone by reference/attention.py.
   k, v[cu_k[s]:cu_k[s+1]], as a (1, H, Lq_s, D) call with ALiBi slopes row s when they are
   (S, H); its dropout stream starts at offset + sum over earlier sequences of H * Lq * Lk (the
   element index of (s, h, i, j) is that base + (h * Lq_s + i) * Lk_s + j). lse is (H, total_q).
-* KV cache (seqlens_k, block_table): batch row b attends to its first seqlens_k[b] keys, the
-  diagonal aligned to them (d = seqlens_k[b] - Lq for causal 2); a paged cache is gathered
-  through block_table.
+* KV cache (seqlens_k, block_table, leftpad_k): batch row b attends to its first seqlens_k[b]
+  keys, or with leftpad_k to keys leftpad_k[b] .. seqlens_k[b] as if the row began there; the
+  diagonal aligned to them (d = seqlens_k[b] - leftpad_k[b] - Lq for causal 2); a paged cache
+  is gathered through block_table.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from torch import Tensor
 def _one(o, **changes):
     """o for one sequence: the length options cleared."""
     return dataclasses.replace(o, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-                               max_seqlen_k=0, seqlens_k=None, block_table=None, **changes)
+                               max_seqlen_k=0, seqlens_k=None, block_table=None, leftpad_k=None,
+                               **changes)
 
 
 def sequences(o):
@@ -83,13 +85,15 @@ def _shifted(rng_state, by: int):
 
 
 def cache_rows(k: Tensor, v: Tensor, o, b: int):
-    """Batch row b's keys and values (1, Hkv, seqlens_k[b], D), gathered from the pages."""
+    """Batch row b's keys and values (1, Hkv, seqlens_k[b] - leftpad_k[b], D), gathered from the
+    pages."""
     n = int(o.seqlens_k[b])
+    start = int(o.leftpad_k[b]) if o.leftpad_k is not None else 0
     if o.block_table is None:
-        return k[b:b + 1, :, :n], v[b:b + 1, :, :n]
+        return k[b:b + 1, :, start:n], v[b:b + 1, :, start:n]
     size = k.shape[2]
     blocks = o.block_table[b, :(n + size - 1) // size].long()
-    gather = lambda t: t[blocks].transpose(0, 1).reshape(t.shape[1], -1, t.shape[3])[:, :n][None]  # noqa: E731
+    gather = lambda t: t[blocks].transpose(0, 1).reshape(t.shape[1], -1, t.shape[3])[:, start:n][None]  # noqa: E731
     return gather(k), gather(v)
 
 

@@ -54,13 +54,17 @@ inline void attn_lengths(cpu::AttnArgs& a, const Tensor& k, const AttentionOptio
     }
     const int64_t capacity = table ? table->size(1) * a.block_size : k.size(2);
     a.Lk = 0;  // the longest row (sizes the splits and the work estimate)
+    if (const Tensor* starts = present(o.leftpad_k)) a.k_starts = int32_vector(*starts, a.B, "leftpad_k");
     for (int64_t b = 0; b < a.B; ++b) {
       TORCH_CHECK(a.k_lens[b] >= 0 && a.k_lens[b] <= capacity, "fastformer._C: seqlens_k[", b,
                   "] = ", a.k_lens[b], " is outside the cache's ", capacity, " rows");
+      TORCH_CHECK(!a.k_starts || (a.k_starts[b] >= 0 && a.k_starts[b] <= a.k_lens[b]),
+                  "fastformer._C: leftpad_k[", b, "] must be in [0, seqlens_k[", b, "]]");
       a.Lk = std::max<int64_t>(a.Lk, a.k_lens[b]);
     }
   } else {
-    TORCH_CHECK(!present(o.block_table), "fastformer._C: block_table needs seqlens_k");
+    TORCH_CHECK(!present(o.block_table) && !present(o.leftpad_k),
+                "fastformer._C: block_table and leftpad_k need seqlens_k");
   }
 }
 
