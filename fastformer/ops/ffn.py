@@ -32,7 +32,7 @@ from ..reference.ffn import ACTIVATIONS
 from ..reference.rng import draw_rng_state
 from . import prepack
 from .cpu_gemm import ONEDNN_POST_OPS, fast_bf16_gemm, onednn_post_ops, torch_fp32_gemm_wins
-from .linear import linear, max_rows, rows_kernel_takes, rows_linear, weight_grad
+from .linear import PackedLinear, linear, max_rows, rows_kernel_takes, rows_linear, weight_grad
 from ._opdef import OpDef, Options, compiled, needs_grad, options, owned, rowwise
 
 _ACT_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
@@ -274,22 +274,19 @@ class _ActDown(torch.autograd.Function):
                                                need_pre or need_up, need_w2, need_b2))
 
 
-class _PackedLinear(torch.autograd.Function):
-    """x @ w.T + b on csrc/cpu/ffn.cpp's packed GEMM (its first layer alone, kFfnFirst):
-    the gated cpu route's gate and up projections, each its own node. Returns (tokens, F)."""
+class _PackedLinear(PackedLinear):
+    """ops/linear.py's PackedLinear as the gated cpu route's gate and up projections, each its
+    own node, keeping the FFN call's dispatch record for its backward."""
 
     @staticmethod
     def forward(ctx, x, w, b):
-        ctx.save_for_backward(x, w)
         ctx.dispatch = backends.last_dispatch()
-        return owned(_ext.C.ffn_linear_fwd(x, w, b))
+        return PackedLinear.forward(ctx, x, w, b)
 
     @staticmethod
     def backward(ctx, d_pre):
         backends.record(ctx.dispatch)
-        x, w = ctx.saved_tensors
-        dx, dw, db = _ext.C.ffn_linear_bwd(d_pre.contiguous(), x, w, *ctx.needs_input_grad)
-        return tuple(g if need else None for g, need in zip((dx, dw, db), ctx.needs_input_grad))
+        return PackedLinear.backward(ctx, d_pre)
 
 
 @FFN.implementation

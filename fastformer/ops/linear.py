@@ -1,5 +1,6 @@
-"""``F.linear`` with two CPU kernels of ours: the few-row calls of decoding
-(csrc/cpu/linear_rows.cpp) and, in bf16 training on AMX, the weight gradient
+"""``F.linear`` with three CPU kernels of ours: the few-row calls of decoding
+(csrc/cpu/linear_rows.cpp), fp32 calls on the packed GEMM where torch's fp32 GEMM is generic
+code (csrc/cpu/ffn.cpp's first layer alone) and, in bf16 training on AMX, the weight gradient
 (csrc/cpu/weight_grad.cpp).
 
 A decode step multiplies one token's activations (a few rows: one per sequence, or the few
@@ -28,6 +29,18 @@ only: with more rows the bf16-to-fp32 conversion per weight vector made it 0.6-0
 Weights stored in-major ((in, out), passed as the transposed view: GPT-2's Conv1D, gpt-oss's and
 Llama 4's stacked experts) take the kernel's in-major form for 1-8 rows (IN_MAJOR_MAX_ROWS below):
 torch reads such a bf16 weight at 8-17 GB/s, the kernel at 20-34.
+
+fp32 calls of more rows, forward and backward: torch's fp32 GEMM is MKL's, whose AVX-512 code
+runs only on Intel CPUs (cpu_gemm.torch_fp32_gemm_wins(), the FFN's rule); elsewhere the packed
+GEMM of the FFN kernels runs at about twice its rate. 2-core Zen 5 (torch.mm 223 GFLOP/s), ours /
+torch, medians of 5-9 in one process, forward and backward (dx, dW, db): (tokens, in, out)
+(2048, 2048, 2048) 2.02x / 1.94x (448 / 412 GFLOP/s), (2048, 2048, 512) 2.02x / 1.95x,
+(4096, 768, 2304) 1.73x / 2.01x, (2048, 2048, 32000) (an LM head) 1.90x / 1.93x, (128, 2048,
+2048) 1.92x / 2.00x. Taken from the few-row kernel's last row on (64 at avx512, 32 at avx2),
+with or without a gradient. Fewer rows with a gradient ran faster too (8-16 rows 1.12-2.24x over
+512^2 .. 4096 x 11008) but stay with torch: the FFN's few-token route sends its projections
+here, and an fp32 dW of 17 tokens (d = 1000) came out 2.6e-5 from fp64 there, against eager's
+2.0e-5 and the numerical policy's 2.2e-5.
 
 The weight gradient: autograd's is ``grad.t().mm(input)``, and torch's CPU bf16 mm runs a
 transposed A at 0.83-0.93 TFLOP/s on the 2-core AMX Xeon (SwiGLU (2048, 4096, 11008)'s dW
@@ -143,6 +156,34 @@ def rows_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+class PackedLinear(torch.autograd.Function):
+    """x @ w.T + b on csrc/cpu/ffn.cpp's packed GEMM (its first layer alone, kFfnFirst), and its
+    gradients on the same GEMM. x (..., in) with any strides; returns (tokens, out)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return owned(_ext.C.ffn_linear_fwd(x, w, b))
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dx, dw, db = _ext.C.ffn_linear_bwd(dy.contiguous(), x, w, *ctx.needs_input_grad)
+        return tuple(g if need else None for g, need in zip((dx, dw, db), ctx.needs_input_grad))
+
+
+def packed_fp32_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor], rows: int) -> bool:
+    """Whether an fp32 call of `rows` rows runs on the packed GEMM (the rule measured above)."""
+    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and rows > max_rows(torch.float32)
+            and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.shape[1] == x.shape[-1] and not torch.compiler.is_compiling()
+            and _plain(x) and _plain(weight)
+            and (bias is None or (_plain(bias) and bias.dtype == torch.float32
+                                  and bias.shape == (weight.shape[0],) and bias.is_contiguous()))
+            and _ext.C is not None and hasattr(_ext.C, "ffn_linear_fwd")
+            and _ext.cpu_level() in ("avx2", "avx512") and not cpu_gemm.torch_fp32_gemm_wins()[0])
+
+
 # Fewest tokens (the GEMM's K) for which weight_grad.cpp takes a weight gradient. torch's mm
 # with a transposed A slows down as K grows; at K = 512 it is still at or above the kernel
 # (out x in = 512^2..1024^2: 0.78-0.91x for the kernel, 2048^2: 1.24x), from K = 1024 below it
@@ -251,12 +292,16 @@ _COMPILE_VIA_OP = _ext.C is not None and hasattr(_ext.C, "weight_grad") and bool
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``F.linear(x, weight, bias)``; a few rows without autograd on linear_rows.cpp, bf16
-    calls without autograd on a prepacked weight's blocked copy (ops/prepack.py), a bf16
-    weight gradient on weight_grad.cpp (eager, and under torch.compile through the custom op
-    fastformer::linear)."""
+    """``F.linear(x, weight, bias)``; a few rows without autograd on linear_rows.cpp, fp32 calls
+    of more rows on the packed GEMM where torch's fp32 GEMM is generic code, bf16 calls without
+    autograd on a prepacked weight's blocked copy (ops/prepack.py), a bf16 weight gradient on
+    weight_grad.cpp (eager, and under torch.compile through the custom op fastformer::linear)."""
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
+    if x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] > 0:
+        rows = x.numel() // x.shape[-1]
+        if packed_fp32_takes(x, weight, bias, rows):
+            return PackedLinear.apply(x, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     if not grad:
         if rows_kernel_takes(x, weight, bias):
             return rows_linear(x, weight, bias)
