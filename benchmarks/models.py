@@ -78,6 +78,10 @@ def _configs():
                                                        num_experts_per_tok=4, sliding_window=128,
                                                        layer_types=["sliding_attention", "full_attention"],
                                                        max_position_embeddings=4096), 1, 1024),
+        # BLOOM's ALiBi attention in its own code (baddbmm scores; transformers has no sdpa path for
+        # it: "sdpa" is its eager attention); ff.convert runs it on ff.attention with the slopes
+        "BLOOM-style 4x1024 16 heads": (t.BloomConfig, t.BloomForCausalLM,
+                                        dict(vocab_size=32000, hidden_size=1024, n_layer=4, n_head=16), 1, 1024),
         # the gate and up projections as one (2 x 5632, 2048) linear: ff.swiglu_ffn on its halves
         "Phi-3-style 4x2048 GQA 32/8": (t.Phi3Config, t.Phi3ForCausalLM, dict(llama, pad_token_id=0), 1, 1024),
         "BERT-base 12x768": (t.BertConfig, t.BertModel, dict(vocab_size=30522, hidden_size=768,
