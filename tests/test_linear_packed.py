@@ -102,3 +102,27 @@ def test_which_calls_take_the_packed_gemm(packed_rule, monkeypatch):
     monkeypatch.setattr(cpu_gemm, "torch_fp32_gemm_wins", lambda: (True, "MKL on an Intel CPU"))
     lin.linear(x, w)
     assert packed_rule["fwd"] == 2
+
+
+def test_compiled_linear_takes_the_packed_gemm(packed_rule):
+    """Under torch.compile (fullgraph) fp32 calls go through the custom op fastformer::linear,
+    whose body and backward run the packed GEMM: output and gradients against fp64."""
+    torch._dynamo.reset()
+    try:
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(2, 50, 72, generator=g, requires_grad=True)
+        w = torch.randn(40, 72, generator=g, requires_grad=True)
+        b = torch.randn(40, generator=g, requires_grad=True)
+        fn = torch.compile(lambda x, w, b: lin.linear(x, w, b), fullgraph=True)
+        y = fn(x, w, b)
+        dy = torch.randn(y.shape, generator=g)
+        y.backward(dy)
+        assert packed_rule["fwd"] >= 1 and packed_rule["bwd"] >= 1, packed_rule
+        x64, w64, dy64 = x.detach().double(), w.detach().double(), dy.double().reshape(-1, 40)
+        want = F.linear(x64, w64, b.detach().double())
+        _close("y", y, want, want)
+        _close("dx", x.grad.reshape(-1, 72), dy64 @ w64, dy64 @ w64)
+        _close("dw", w.grad, dy64.t() @ x64.reshape(-1, 72), dy64.t() @ x64.reshape(-1, 72))
+        _close("db", b.grad, dy64.sum(0), dy64.sum(0))
+    finally:
+        torch._dynamo.reset()

@@ -50,9 +50,10 @@ shapes; the forward's x W^T runs 1.7-2.0), where weight_grad.cpp's AMX kernel ru
 (Q) is the narrower one: (8192, 4096 x 1024) with Q the 4096 columns ran 63 ms against 45.
 
 Used by ``ff.convert`` on Hugging Face models (every nn.Linear, the LM head included) and by
-the FFN's cpu.onednn route. Under torch.compile a bf16 CPU call with a weight gradient is the
-custom op ``fastformer::linear`` (its backward takes the kernel); other traced calls and calls
-that are not plain CPU tensor calls take ``F.linear``.
+the FFN's cpu.onednn route. Under torch.compile a bf16 CPU call with a weight gradient, and an
+fp32 CPU call the packed GEMM takes, is the custom op ``fastformer::linear`` (its body and
+backward take the kernels); other traced calls and calls that are not plain CPU tensor calls
+take ``F.linear``.
 """
 from __future__ import annotations
 
@@ -221,8 +222,12 @@ def weight_grad(dy: Tensor, x: Tensor) -> Tensor:
 
 def _linear_grads(dy: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_w: bool, need_b: bool):
     """(dx, dW, db) of y = x W^T + b, None where not needed: dx on torch's GEMM (oneDNN runs it
-    at 1.7-2.1 TFLOP/s on AMX), dW from weight_grad()."""
+    at 1.7-2.1 TFLOP/s on AMX), dW from weight_grad(); fp32 calls the packed GEMM takes (under
+    torch.compile, through fastformer::linear_bwd) all three on it."""
     dy2 = rowwise(dy).reshape(-1, dy.shape[-1])
+    if dy.dtype == torch.float32 and packed_fp32_takes(x, weight, None, dy2.shape[0]):
+        grads = _ext.C.ffn_linear_bwd(dy2.contiguous(), x, weight, need_x, need_w, need_b)
+        return tuple(g if need else None for g, need in zip(grads, (need_x, need_w, need_b)))
     dx = (dy2 @ weight).reshape(x.shape) if need_x else None
     dw = weight_grad(dy2, x.reshape(-1, x.shape[-1])) if need_w else None
     db = dy2.sum(0) if need_b else None
@@ -250,6 +255,9 @@ class _Linear(torch.autograd.Function):
 # lighter autograd.Function above.
 @torch.library.custom_op("fastformer::linear", mutates_args=())
 def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    rows = x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] > 0 else 0
+    if x.dtype == torch.float32 and packed_fp32_takes(x, weight, bias, rows):
+        return _ext.C.ffn_linear_fwd(x, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 
@@ -291,6 +299,19 @@ _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 _COMPILE_VIA_OP = _ext.C is not None and hasattr(_ext.C, "weight_grad") and bool(_ext.C.use_amx_bf16())
 
 
+@torch.compiler.assume_constant_result
+def _compiled_fp32_min_rows() -> int:
+    """Under torch.compile, the fewest rows for which an fp32 CPU call takes the op (whose body
+    runs the packed GEMM by packed_fp32_takes()); 0 where the packed GEMM is not taken here. A
+    constant of the trace: the rule reads the CPU and the environment, which dynamo does not
+    trace. Compiled without it, a converted fp32 Llama-style model ran 1.42x (inference) and
+    1.16x (training step) slower than uncompiled on a 2-core Zen 5 (torch's generic fp32 GEMMs)."""
+    if (_ext.C is None or not hasattr(_ext.C, "ffn_linear_fwd") or _ext.cpu_level() not in ("avx2", "avx512")
+            or cpu_gemm.torch_fp32_gemm_wins()[0]):
+        return 0
+    return max_rows(torch.float32) + 1
+
+
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """``F.linear(x, weight, bias)``; a few rows without autograd on linear_rows.cpp, fp32 calls
     of more rows on the packed GEMM where torch's fp32 GEMM is generic code, bf16 calls without
@@ -300,7 +321,12 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
                                         or (bias is not None and bias.requires_grad))
     if x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] > 0:
         rows = x.numel() // x.shape[-1]
-        if packed_fp32_takes(x, weight, bias, rows):
+        if torch.compiler.is_compiling():
+            least = _compiled_fp32_min_rows()
+            if (least and rows >= least and weight.dtype == torch.float32 and weight.dim() == 2
+                    and x.device.type == "cpu"):
+                return _linear_op(x, weight, bias)
+        elif packed_fp32_takes(x, weight, bias, rows):
             return PackedLinear.apply(x, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     if not grad:
         if rows_kernel_takes(x, weight, bias):
