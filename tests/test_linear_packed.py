@@ -104,9 +104,11 @@ def test_which_calls_take_the_packed_gemm(packed_rule, monkeypatch):
     assert packed_rule["fwd"] == 2
 
 
-def test_compiled_linear_takes_the_packed_gemm(packed_rule):
+def test_compiled_linear_takes_the_packed_gemm(packed_rule, monkeypatch):
     """Under torch.compile (fullgraph) fp32 calls go through the custom op fastformer::linear,
-    whose body and backward run the packed GEMM: output and gradients against fp64."""
+    whose body and backward run the packed GEMM: output and gradients against fp64. (The rule
+    under compile is read at import; forced here as the fixture forces the eager one.)"""
+    monkeypatch.setattr(lin, "_COMPILE_FP32_MIN_ROWS", lin.max_rows(torch.float32) + 1)
     torch._dynamo.reset()
     try:
         g = torch.Generator().manual_seed(7)

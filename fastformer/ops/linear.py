@@ -299,17 +299,24 @@ _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 _COMPILE_VIA_OP = _ext.C is not None and hasattr(_ext.C, "weight_grad") and bool(_ext.C.use_amx_bf16())
 
 
-@torch.compiler.assume_constant_result
 def _compiled_fp32_min_rows() -> int:
     """Under torch.compile, the fewest rows for which an fp32 CPU call takes the op (whose body
-    runs the packed GEMM by packed_fp32_takes()); 0 where the packed GEMM is not taken here. A
-    constant of the trace: the rule reads the CPU and the environment, which dynamo does not
-    trace. Compiled without it, a converted fp32 Llama-style model ran 1.42x (inference) and
+    runs the packed GEMM where packed_fp32_takes() holds at run time); 0 where the packed GEMM is
+    not taken here. Read once at import into _COMPILE_FP32_MIN_ROWS, a constant of every trace:
+    the rule reads the CPU and the environment, which dynamo does not trace (and
+    torch.compiler.assume_constant_result, applied at import, imports dynamo and with it
+    triton). Compiled without it, a converted fp32 Llama-style model ran 1.42x (inference) and
     1.16x (training step) slower than uncompiled on a 2-core Zen 5 (torch's generic fp32 GEMMs)."""
-    if (_ext.C is None or not hasattr(_ext.C, "ffn_linear_fwd") or _ext.cpu_level() not in ("avx2", "avx512")
-            or cpu_gemm.torch_fp32_gemm_wins()[0]):
+    try:
+        if (_ext.C is None or not hasattr(_ext.C, "ffn_linear_fwd")
+                or _ext.cpu_level() not in ("avx2", "avx512") or cpu_gemm.torch_fp32_gemm_wins()[0]):
+            return 0
+    except ValueError:  # a bad FASTFORMER_CPU_FFN_FP32_GEMM: the eager call says so
         return 0
     return max_rows(torch.float32) + 1
+
+
+_COMPILE_FP32_MIN_ROWS = _compiled_fp32_min_rows()
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
@@ -322,7 +329,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     if x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] > 0:
         rows = x.numel() // x.shape[-1]
         if torch.compiler.is_compiling():
-            least = _compiled_fp32_min_rows()
+            least = _COMPILE_FP32_MIN_ROWS
             if (least and rows >= least and weight.dtype == torch.float32 and weight.dim() == 2
                     and x.device.type == "cpu"):
                 return _linear_op(x, weight, bias)
