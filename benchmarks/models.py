@@ -82,6 +82,16 @@ def _configs():
         # it: "sdpa" is its eager attention); ff.convert runs it on ff.attention with the slopes
         "BLOOM-style 4x1024 16 heads": (t.BloomConfig, t.BloomForCausalLM,
                                         dict(vocab_size=32000, hidden_size=1024, n_layer=4, n_head=16), 1, 1024),
+        # Falcon's attention in its own code (its sdpa path calls torch's SDPA): Falcon-RW's ALiBi
+        # (folded into the mask for SDPA) and Falcon-7B's form (rotary, one key / value head, the
+        # attention and the GELU MLP in parallel), both on ff.attention after ff.convert
+        "Falcon-RW-style 4x1024 ALiBi": (t.FalconConfig, t.FalconForCausalLM,
+                                         dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=4,
+                                              num_attention_heads=16, alibi=True, multi_query=False,
+                                              parallel_attn=False, bias=True), 1, 1024),
+        "Falcon-7B-style 4x1024 multi-query": (t.FalconConfig, t.FalconForCausalLM,
+                                               dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=4,
+                                                    num_attention_heads=16), 1, 1024),
         # the gate and up projections as one (2 x 5632, 2048) linear: ff.swiglu_ffn on its halves
         "Phi-3-style 4x2048 GQA 32/8": (t.Phi3Config, t.Phi3ForCausalLM, dict(llama, pad_token_id=0), 1, 1024),
         "BERT-base 12x768": (t.BertConfig, t.BertModel, dict(vocab_size=30522, hidden_size=768,
@@ -196,6 +206,10 @@ def build(c: dict):
     for name, impl in (("eager", "eager"), ("sdpa", "eager" if no_sdpa else "sdpa")):
         m = copy.deepcopy(base)
         m.set_attn_implementation(impl)
+        if m.config._attn_implementation != impl:
+            # Falcon refuses to switch (its attention reads the config's name on every call): set
+            # the name itself on this copy's config
+            m.config._attn_implementation = impl
         models[name] = m
     ours = copy.deepcopy(base)
     ff.convert(ours)

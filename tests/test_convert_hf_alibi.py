@@ -1,5 +1,6 @@
-"""BLOOM's and MPT's attention converted (integrations/hf_alibi.py): ff.attention with the model's
-ALiBi slopes and mask in place of its own scores, against the unconverted model run in fp64: logits and
+"""BLOOM's, MPT's and Falcon's attention converted (integrations/hf_alibi.py): ff.attention with the
+model's ALiBi slopes and mask in place of its own scores (Falcon: also its rotary forms, multi-query
+and the new decoder architecture's grouped heads), against the unconverted model run in fp64: logits and
 every parameter's gradient (oracle.assert_model_matches), with and without left padding, a head
 count that is not a power of two (both families' extra slopes), bf16 by the error-ratio rule,
 greedy generation with the cache against the unconverted model's tokens and logits, and
@@ -7,7 +8,10 @@ output_attentions (the original forward).
 
 Left padding: the padded positions are don't-care rows (their outputs and gradient seeds are
 left out), and the fp64 oracle runs each row's unpadded tokens alone (unconverted BLOOM in fp64
-turns a left-padded row into NaN: its float mask's minimum added twice overflows to -inf)."""
+turns a left-padded row into NaN: its float mask's minimum added twice overflows to -inf).
+
+Falcon's reference is its sdpa path: in transformers 5.24 its eager ALiBi path adds the bias twice
+(itself and through the mask the model folded it into; integrations/hf_alibi.py), sdpa once."""
 import copy
 
 import pytest
@@ -17,21 +21,32 @@ from oracle import GRAD_FACTOR, LOWP_ATOL, OUT_FACTOR, assert_lowp_rule, assert_
 transformers = pytest.importorskip("transformers", reason="needs transformers")
 
 import fastformer as ff  # noqa: E402
+from fastformer.integrations import hf_alibi  # noqa: E402
 
 
-FAMILIES = ["bloom", "mpt"]
-ATTENTION = {"bloom": "BloomAttention", "mpt": "MptAttention"}
+FAMILIES = ["bloom", "mpt", "falcon_alibi", "falcon_rotary_mq", "falcon_new_arch"]
+ATTENTION = {"bloom": "BloomAttention", "mpt": "MptAttention", "falcon_alibi": "FalconAttention",
+             "falcon_rotary_mq": "FalconAttention", "falcon_new_arch": "FalconAttention"}
+# Falcon-RW (ALiBi, biases, sequential blocks), Falcon-7B's form (rotary, one key / value head,
+# parallel attention and MLP), Falcon-40B's (rotary, grouped key / value heads)
+FALCON = {"falcon_alibi": dict(alibi=True, multi_query=False, parallel_attn=False, bias=True),
+          "falcon_rotary_mq": dict(alibi=False, multi_query=True, parallel_attn=True, bias=False),
+          "falcon_new_arch": dict(alibi=False, new_decoder_architecture=True, num_kv_heads=2, bias=False)}
 
 
 def _model(family, heads=4, seed=0):
     if family == "bloom":
         cfg = transformers.BloomConfig(vocab_size=97, hidden_size=16 * heads, n_layer=2, n_head=heads)
         cls = transformers.BloomForCausalLM
-    else:
+    elif family == "mpt":
         cfg = transformers.MptConfig(vocab_size=97, d_model=16 * heads, n_layers=2, n_heads=heads,
                                      max_seq_len=64, attn_config={"clip_qkv": 1.5})
         cls = transformers.MptForCausalLM
-    cfg._attn_implementation = "eager"
+    else:
+        cfg = transformers.FalconConfig(vocab_size=97, hidden_size=16 * heads, num_hidden_layers=2,
+                                        num_attention_heads=heads, **FALCON[family])
+        cls = transformers.FalconForCausalLM
+    cfg._attn_implementation = "sdpa" if family.startswith("falcon") else "eager"
     torch.manual_seed(seed)
     return cls(cfg).eval()
 
@@ -77,15 +92,20 @@ def _reference(model, inputs):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("heads", [4, 6])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
-def test_alibi_attention_on_the_kernels_matches_fp64(family, heads, padded):
+def test_alibi_attention_on_the_kernels_matches_fp64(family, heads, padded, monkeypatch):
+    calls = []
+    kernel = hf_alibi.attention
+    monkeypatch.setattr(hf_alibi, "attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
     model = _model(family, heads)
     report = ff.convert(model, inplace=False)
     ours = report.model
     converted = [r for r in report.replaced if r[1] == ATTENTION[family]]
-    assert len(converted) == 2 and "ALiBi" in converted[0][2], str(report)
+    assert len(converted) == 2 and "ff.attention" in converted[0][2], str(report)
     inputs = _inputs(padded)
     out, grads = _run(ours, inputs)
-    assert ff.last_dispatch().op == "attention"
+    assert len(calls) == 2
+    if family in ("bloom", "mpt"):
+        assert calls[0]["alibi_slopes"] is not None
     ref, ref_grads = _reference(model, inputs)
     assert_model_matches(out, grads, ref, ref_grads)
     assert ours.state_dict().keys() == model.state_dict().keys()
@@ -132,3 +152,16 @@ def test_alibi_output_attentions_runs_the_original(family):
     assert out.attentions is not None and len(out.attentions) == 2
     torch.testing.assert_close(out.attentions[0], ref.attentions[0])
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_falcon_alibi_long_rows_keep_the_models_bf16_bias():
+    """Falcon-RW's bias is bf16-rounded slope x position (steps of 0.125 past 256 positions here):
+    over 300 tokens exact ALiBi slopes land 4e-3 of the largest logit off the model; the converted
+    forward (the model's own bias mask) stays within fp32's 1e-5."""
+    model = _model("falcon_alibi")
+    ours = ff.convert(model, inplace=False).model
+    ids = torch.randint(2, 90, (1, 300), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        got = ours(input_ids=ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()

@@ -1,5 +1,5 @@
-"""ff.convert for BLOOM's and MPT's attention: their ALiBi inside the attention kernels
-(``alibi_slopes``).
+"""ff.convert for BLOOM's, MPT's and Falcon's attention: their ALiBi inside the attention kernels
+(``alibi_slopes``; Falcon's as the model's own bias mask, see below).
 
 transformers' ``BloomAttention`` has no attention interface: it forms the (B * H, Lq, Lk)
 scores with ``alibi.baddbmm(q, k^T)`` in the model's dtype, adds the 4-D mask, takes an fp32
@@ -26,6 +26,22 @@ optional clamp of the fused q / k / v projection. Its block asks the attention f
 probabilities on every call and keeps them only with ``output_attentions``, so the block tells
 its attention module whether they are wanted (``MptBlockMixin``); keys beyond the model's
 ``max_seq_len`` (where the original's bias no longer lines up) run the original.
+
+Falcon (``FalconAttention``) has two forms in one class. With ``alibi`` (Falcon-RW) the model
+computes its bias in bf16 whatever the model's dtype (``build_alibi_tensor``: the slopes rounded to
+bf16 times the positions, rounded again, as Falcon-RW was trained): at 1024 positions the bias
+steps by 0.5, so it is not slope x position and ``alibi_slopes`` would compute another model
+(0.10 of the largest logit off the original's on a random-weight 4 x 1024 model). Its sdpa path
+hands torch's SDPA the (B, H, Lq, Lk) float mask the model folded that bias into
+(``FalconModel.forward``); the converted forward hands the same mask to ``ff.attention``. In
+transformers 5.24 the eager path adds the bias twice (itself, and through the folded mask): its
+logits differ from sdpa's by ~0.02 on a random-weight model; the conversion computes what sdpa
+computes (the bias once). Calls without that mask (the original would skip the bias in its sdpa
+path) run the original. Without ``alibi`` (Falcon-7B/40B/180B, Falcon 2: rotary) the forward
+rotates q and k (ff.apply_rotary) and calls the kernels with the model's mask, where the
+original calls torch's SDPA or its eager softmax. Both keep the original's cache layout (the new
+decoder architecture's keys broadcast to every query head, as the original stores them);
+``output_attentions`` and mixed dtypes run the original.
 """
 from __future__ import annotations
 
@@ -36,6 +52,7 @@ import torch
 from torch import nn
 
 from ..ops.attention import attention
+from .hf_rotary import fused_rotary
 
 
 class BloomAttentionMixin:
@@ -102,6 +119,36 @@ class MptBlockMixin:
                                output_attentions, **kwargs)
 
 
+class FalconAttentionMixin:
+    _ff_what = "ff.attention (ALiBi: the model's bias-folded mask; rotary: ff.apply_rotary)"
+
+    def forward(self, hidden_states, alibi, attention_mask, position_ids=None, layer_past=None,
+                use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
+        if (output_attentions or hidden_states.dtype != self.query_key_value.weight.dtype
+                or (alibi is not None and (attention_mask is None or attention_mask.dim() != 4))):
+            return super().forward(hidden_states, alibi, attention_mask, position_ids, layer_past,
+                                   use_cache, output_attentions, position_embeddings, **kwargs)
+        heads_kv = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
+        q, k, v = self._split_heads(self.query_key_value(hidden_states))  # (B, L, heads, D)
+        batch, q_length = q.shape[:2]
+        q = q.transpose(1, 2).reshape(batch, self.num_heads, q_length, self.head_dim)
+        k = k.transpose(1, 2).reshape(batch, heads_kv, q_length, self.head_dim)
+        v = v.transpose(1, 2).reshape(batch, heads_kv, q_length, self.head_dim)
+        module = _module_of(self)
+        if alibi is None:
+            rotate = module.apply_rotary_pos_emb
+            if not torch.compiler.is_compiling():
+                rotate = fused_rotary(rotate)
+            q, k = rotate(q, k, *position_embeddings)
+        if layer_past is not None:
+            k, v = layer_past.update(k, v, self.layer_idx)
+        p = self.attention_dropout.p if self.training and alibi is not None else 0.0
+        context = attention(q, k, v, causal="bottom_right", attn_mask=attention_mask, dropout_p=p,
+                            scale=self.inv_norm_factor)
+        context = context.transpose(1, 2).reshape(batch, q_length, self.num_heads * self.head_dim)
+        return self.dense(context), None
+
+
 def _module_of(m: nn.Module):
     return sys.modules[type(m)._fastformer_original.__module__]
 
@@ -139,4 +186,14 @@ def convert_mpt_block(m: nn.Module, swap) -> Optional[str]:
     return None
 
 
-__all__ = ["convert_bloom_attention", "convert_mpt_attention", "convert_mpt_block"]
+def convert_falcon_attention(m: nn.Module, swap) -> Optional[str]:
+    """Swap a FalconAttention for FalconAttentionMixin, or say why not."""
+    if getattr(sys.modules.get(type(m).__module__), "apply_rotary_pos_emb", None) is None:
+        return "its module has no apply_rotary_pos_emb (another Falcon version)"
+    if not isinstance(getattr(m, "query_key_value", None), nn.Linear) or not hasattr(m, "inv_norm_factor"):
+        return "not the FalconAttention form (no fused query_key_value linear or inv_norm_factor)"
+    swap(m, FalconAttentionMixin)
+    return None
+
+
+__all__ = ["convert_bloom_attention", "convert_falcon_attention", "convert_mpt_attention", "convert_mpt_block"]

@@ -45,12 +45,14 @@ T5 feed-forward             DenseReluDense on ``ff.ffn`` (dropout fused); the ga
                             ``ff.swiglu_ffn`` when no dropout runs
 T5 attention's bias         ``ff.RelativePositionBias`` on the layer's table, computed inside the
                             attention kernels (no (1, H, Lq, Lk) bias tensor)
-BLOOM / MPT attention       ``ff.attention`` with the model's ALiBi slopes and mask, no score
-                            tensor (integrations/hf_alibi.py)
+BLOOM / MPT / Falcon        ``ff.attention`` with the model's ALiBi slopes and mask, no score
+attention                   tensor; Falcon's rotary form on ``ff.apply_rotary`` and
+                            ``ff.attention`` (integrations/hf_alibi.py)
 nn.Embedding (every one)    ops/embedding.py: under torch.compile the backward is aten's
                             kernel (inductor's own scatter-add took 200 ms of a compiled bf16
                             Mistral-style training step, aten's ~30); eager calls unchanged
 GPT-2's Conv1D             as nn.Linear below, on the weight's transpose (a view)
+Falcon's FalconLinear       as nn.Linear below (its x @ W.T + b, the bias added in the GEMM)
 nn.Dropout (every one)      ops/dropout.py in training: the kernels' Philox mask, one pass,
                             regenerated in the backward (torch's bernoulli_ ~5 ns per element)
 nn.Linear (every one)       ops/linear.py: calls of 1-8 rows without autograd (decode steps) on
@@ -86,7 +88,7 @@ from ..ops.embedding import embedding
 from ..ops.ffn import ffn
 from ..ops.linear import linear
 from . import hf_moe
-from .hf_alibi import convert_bloom_attention, convert_mpt_attention, convert_mpt_block
+from .hf_alibi import convert_bloom_attention, convert_falcon_attention, convert_mpt_attention, convert_mpt_block
 from .hf_lm_loss import CausalLMLoss as _CausalLMLoss
 from .hf_lm_loss import MoECausalLMLoss as _MoECausalLMLoss
 from .hf_lm_loss import decoder_of
@@ -429,6 +431,9 @@ _CONVERTERS.update({
     "T5Attention": _convert_t5_attention,
     "BloomAttention": lambda m: convert_bloom_attention(m, _swap),
     "MptAttention": lambda m: convert_mpt_attention(m, _swap),
+    "FalconAttention": lambda m: convert_falcon_attention(m, _swap),
+    "FalconLinear": lambda m: (_swap(m, _FewRowsLinear) if type(m).__module__.startswith("transformers.")
+                               else "not transformers' FalconLinear"),
     "MptBlock": lambda m: convert_mpt_block(m, _swap),
     "Linear": lambda m: _swap(m, _FewRowsLinear) if type(m) is nn.Linear else "a subclass of nn.Linear",
     "Dropout": lambda m: _swap(m, _FastDropout) if type(m) is nn.Dropout else "a subclass of nn.Dropout",

@@ -109,7 +109,10 @@ def _is_conv1d(m: nn.Module) -> bool:
 
 
 def _linear_like(m: nn.Module) -> bool:
-    return type(m) is nn.Linear or _is_conv1d(m)
+    """nn.Linear, Conv1D, or Falcon's FalconLinear (nn.Linear's x @ W.T + b, the bias added after)."""
+    return type(m) is nn.Linear or _is_conv1d(m) or (
+        type(m).__name__ == "FalconLinear" and type(m).__module__.startswith("transformers.")
+        and isinstance(m, nn.Linear))
 
 
 # ---- the forms -----------------------------------------------------------------------------------

@@ -87,6 +87,12 @@ def _fused(original: Callable) -> Callable:
     return apply_rotary_pos_emb
 
 
+@functools.lru_cache(maxsize=None)
+def fused_rotary(original: Callable) -> Callable:
+    """_fused(original), made once per function (for forwards that call it themselves)."""
+    return _fused(original)
+
+
 def _with_global(fn: Callable, name: str, value) -> tuple[Callable, bool]:
     """(a copy of fn that reads the global `name` as `value`, whether any code read it), through
     the decorators that wrap fn (functools.wraps wrappers whose closure holds the function)."""
@@ -215,4 +221,4 @@ def convert_rotary_attention(m: nn.Module, swap: Callable) -> Optional[str]:
     return None
 
 
-__all__ = ["calls_attention_interface", "class_form", "code_form", "convert_rotary_attention"]
+__all__ = ["calls_attention_interface", "class_form", "code_form", "convert_rotary_attention", "fused_rotary"]
