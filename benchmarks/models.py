@@ -92,6 +92,12 @@ def _configs():
         "Falcon-7B-style 4x1024 multi-query": (t.FalconConfig, t.FalconForCausalLM,
                                                dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=4,
                                                     num_attention_heads=16), 1, 1024),
+        # GPT-Neo's attention in its own code (unscaled fp32 scores, local layers masking all but the
+        # last 256 keys); ff.convert: ff.attention with a window, only the band's tiles
+        "GPT-Neo-125M-style 12x768 window 256": (t.GPTNeoConfig, t.GPTNeoForCausalLM,
+                                                 dict(vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12,
+                                                      attention_types=[[["global", "local"], 6]], window_size=256,
+                                                      max_position_embeddings=2048), 1, 2048),
         # the gate and up projections as one (2 x 5632, 2048) linear: ff.swiglu_ffn on its halves
         "Phi-3-style 4x2048 GQA 32/8": (t.Phi3Config, t.Phi3ForCausalLM, dict(llama, pad_token_id=0), 1, 1024),
         "BERT-base 12x768": (t.BertConfig, t.BertModel, dict(vocab_size=30522, hidden_size=768,

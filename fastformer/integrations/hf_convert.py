@@ -45,9 +45,10 @@ T5 feed-forward             DenseReluDense on ``ff.ffn`` (dropout fused); the ga
                             ``ff.swiglu_ffn`` when no dropout runs
 T5 attention's bias         ``ff.RelativePositionBias`` on the layer's table, computed inside the
                             attention kernels (no (1, H, Lq, Lk) bias tensor)
-BLOOM / MPT / Falcon        ``ff.attention`` with the model's ALiBi slopes and mask, no score
-attention                   tensor; Falcon's rotary form on ``ff.apply_rotary`` and
-                            ``ff.attention`` (integrations/hf_alibi.py)
+BLOOM / MPT / Falcon /      ``ff.attention`` with the model's ALiBi slopes and mask, no score
+GPT-Neo attention           tensor; Falcon's rotary form on ``ff.apply_rotary`` and
+                            ``ff.attention``; GPT-Neo's local layers as a window
+                            (integrations/hf_own_attention.py)
 nn.Embedding (every one)    ops/embedding.py: under torch.compile the backward is aten's
                             kernel (inductor's own scatter-add took 200 ms of a compiled bf16
                             Mistral-style training step, aten's ~30); eager calls unchanged
@@ -88,7 +89,8 @@ from ..ops.embedding import embedding
 from ..ops.ffn import ffn
 from ..ops.linear import linear
 from . import hf_moe
-from .hf_alibi import convert_bloom_attention, convert_falcon_attention, convert_mpt_attention, convert_mpt_block
+from .hf_own_attention import (convert_bloom_attention, convert_falcon_attention, convert_gpt_neo_attention,
+                               convert_mpt_attention, convert_mpt_block)
 from .hf_lm_loss import CausalLMLoss as _CausalLMLoss
 from .hf_lm_loss import MoECausalLMLoss as _MoECausalLMLoss
 from .hf_lm_loss import decoder_of
@@ -432,6 +434,7 @@ _CONVERTERS.update({
     "BloomAttention": lambda m: convert_bloom_attention(m, _swap),
     "MptAttention": lambda m: convert_mpt_attention(m, _swap),
     "FalconAttention": lambda m: convert_falcon_attention(m, _swap),
+    "GPTNeoSelfAttention": lambda m: convert_gpt_neo_attention(m, _swap),
     "FalconLinear": lambda m: (_swap(m, _FewRowsLinear) if type(m).__module__.startswith("transformers.")
                                else "not transformers' FalconLinear"),
     "MptBlock": lambda m: convert_mpt_block(m, _swap),

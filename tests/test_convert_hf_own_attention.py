@@ -1,6 +1,8 @@
-"""BLOOM's, MPT's and Falcon's attention converted (integrations/hf_alibi.py): ff.attention with the
-model's ALiBi slopes and mask in place of its own scores (Falcon: also its rotary forms, multi-query
-and the new decoder architecture's grouped heads), against the unconverted model run in fp64: logits and
+"""Attention modules in their model's own code converted (integrations/hf_own_attention.py):
+BLOOM's and MPT's on ff.attention with the model's ALiBi slopes and mask in place of its own
+scores, Falcon's (its ALiBi bias mask, its rotary forms: multi-query and the new decoder
+architecture's grouped heads), GPT-Neo's (unscaled, global and local layers; a window of 5 keys
+over 13 tokens), against the unconverted model run in fp64: logits and
 every parameter's gradient (oracle.assert_model_matches), with and without left padding, a head
 count that is not a power of two (both families' extra slopes), bf16 by the error-ratio rule,
 greedy generation with the cache against the unconverted model's tokens and logits, and
@@ -11,7 +13,7 @@ left out), and the fp64 oracle runs each row's unpadded tokens alone (unconverte
 turns a left-padded row into NaN: its float mask's minimum added twice overflows to -inf).
 
 Falcon's reference is its sdpa path: in transformers 5.24 its eager ALiBi path adds the bias twice
-(itself and through the mask the model folded it into; integrations/hf_alibi.py), sdpa once."""
+(itself and through the mask the model folded it into; integrations/hf_own_attention.py), sdpa once."""
 import copy
 
 import pytest
@@ -21,12 +23,13 @@ from oracle import GRAD_FACTOR, LOWP_ATOL, OUT_FACTOR, assert_lowp_rule, assert_
 transformers = pytest.importorskip("transformers", reason="needs transformers")
 
 import fastformer as ff  # noqa: E402
-from fastformer.integrations import hf_alibi  # noqa: E402
+from fastformer.integrations import hf_own_attention  # noqa: E402
 
 
-FAMILIES = ["bloom", "mpt", "falcon_alibi", "falcon_rotary_mq", "falcon_new_arch"]
+FAMILIES = ["bloom", "mpt", "falcon_alibi", "falcon_rotary_mq", "falcon_new_arch", "gpt_neo"]
 ATTENTION = {"bloom": "BloomAttention", "mpt": "MptAttention", "falcon_alibi": "FalconAttention",
-             "falcon_rotary_mq": "FalconAttention", "falcon_new_arch": "FalconAttention"}
+             "falcon_rotary_mq": "FalconAttention", "falcon_new_arch": "FalconAttention",
+             "gpt_neo": "GPTNeoSelfAttention"}
 # Falcon-RW (ALiBi, biases, sequential blocks), Falcon-7B's form (rotary, one key / value head,
 # parallel attention and MLP), Falcon-40B's (rotary, grouped key / value heads)
 FALCON = {"falcon_alibi": dict(alibi=True, multi_query=False, parallel_attn=False, bias=True),
@@ -42,6 +45,11 @@ def _model(family, heads=4, seed=0):
         cfg = transformers.MptConfig(vocab_size=97, d_model=16 * heads, n_layers=2, n_heads=heads,
                                      max_seq_len=64, attn_config={"clip_qkv": 1.5})
         cls = transformers.MptForCausalLM
+    elif family == "gpt_neo":
+        cfg = transformers.GPTNeoConfig(vocab_size=97, hidden_size=16 * heads, num_layers=2, num_heads=heads,
+                                        attention_types=[[["global", "local"], 1]], window_size=5,
+                                        max_position_embeddings=64)
+        cls = transformers.GPTNeoForCausalLM
     else:
         cfg = transformers.FalconConfig(vocab_size=97, hidden_size=16 * heads, num_hidden_layers=2,
                                         num_attention_heads=heads, **FALCON[family])
@@ -51,12 +59,15 @@ def _model(family, heads=4, seed=0):
     return cls(cfg).eval()
 
 
-def _inputs(padded):
+def _inputs(padded, family=None):
     ids = torch.randint(2, 90, (2, 13), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 13, dtype=torch.long)
     if padded:
         mask[1, :4] = 0  # row 1 left-padded by 4
-    return dict(input_ids=ids, attention_mask=mask)
+    out = dict(input_ids=ids, attention_mask=mask)
+    if family == "gpt_neo":  # learned absolute positions: count them from each row's first token
+        out["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+    return out
 
 
 def _seed(shape):
@@ -94,14 +105,14 @@ def _reference(model, inputs):
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
 def test_alibi_attention_on_the_kernels_matches_fp64(family, heads, padded, monkeypatch):
     calls = []
-    kernel = hf_alibi.attention
-    monkeypatch.setattr(hf_alibi, "attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
+    kernel = hf_own_attention.attention
+    monkeypatch.setattr(hf_own_attention, "attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
     model = _model(family, heads)
     report = ff.convert(model, inplace=False)
     ours = report.model
     converted = [r for r in report.replaced if r[1] == ATTENTION[family]]
     assert len(converted) == 2 and "ff.attention" in converted[0][2], str(report)
-    inputs = _inputs(padded)
+    inputs = _inputs(padded, family)
     out, grads = _run(ours, inputs)
     assert len(calls) == 2
     if family in ("bloom", "mpt"):
@@ -115,7 +126,7 @@ def test_alibi_attention_on_the_kernels_matches_fp64(family, heads, padded, monk
 def test_alibi_bf16_error_ratio(family):
     model = _model(family)
     ours = ff.convert(copy.deepcopy(model).to(torch.bfloat16)).model
-    inputs = _inputs(padded=True)
+    inputs = _inputs(padded=True, family=family)
     out, grads = _run(ours, inputs)
     low, low_grads = _run(copy.deepcopy(model).to(torch.bfloat16), inputs)
     ref, ref_grads = _reference(model, inputs)
@@ -130,7 +141,7 @@ def test_alibi_bf16_error_ratio(family):
 def test_alibi_generate_with_cache_matches_unconverted(family):
     model = _model(family)
     ours = ff.convert(model, inplace=False).model
-    inputs = _inputs(padded=True)
+    inputs = _inputs(padded=True, family=family)
     kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
               return_dict_in_generate=True)
     with torch.no_grad():
@@ -145,7 +156,7 @@ def test_alibi_generate_with_cache_matches_unconverted(family):
 def test_alibi_output_attentions_runs_the_original(family):
     model = _model(family)
     ours = ff.convert(model, inplace=False).model
-    inputs = _inputs(padded=False)
+    inputs = _inputs(padded=False, family=family)
     with torch.no_grad():
         out = ours(**inputs, output_attentions=True)
         ref = model(**inputs, output_attentions=True)

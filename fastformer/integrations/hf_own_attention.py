@@ -1,5 +1,7 @@
-"""ff.convert for BLOOM's, MPT's and Falcon's attention: their ALiBi inside the attention kernels
-(``alibi_slopes``; Falcon's as the model's own bias mask, see below).
+"""ff.convert for attention modules written in their model's own code, outside transformers'
+attention interface (``attn_implementation`` never reaches them): BLOOM's and MPT's, their ALiBi
+inside the attention kernels (``alibi_slopes``); Falcon's (its ALiBi as the model's own bias mask,
+its rotary forms); GPT-Neo's (unscaled scores, local layers as a window).
 
 transformers' ``BloomAttention`` has no attention interface: it forms the (B * H, Lq, Lk)
 scores with ``alibi.baddbmm(q, k^T)`` in the model's dtype, adds the 4-D mask, takes an fp32
@@ -41,6 +43,13 @@ path) run the original. Without ``alibi`` (Falcon-7B/40B/180B, Falcon 2: rotary)
 rotates q and k (ff.apply_rotary) and calls the kernels with the model's mask, where the
 original calls torch's SDPA or its eager softmax. Both keep the original's cache layout (the new
 decoder architecture's keys broadcast to every query head, as the original stores them);
+``output_attentions`` and mixed dtypes run the original.
+
+GPT-Neo (``GPTNeoSelfAttention``) scores ``q k^T`` without the 1 / sqrt(d) scale, in fp32, masked
+by its causal buffer, which in the "local" layers keeps only the last ``window_size`` keys of each
+query (key j visible to query i + Lk - Lq iff i + Lk - Lq - window_size < j <= i + Lk - Lq), plus
+the model's mask: ``ff.attention(scale=1.0, causal="bottom_right", window=(window_size - 1, 0)
+on local layers, attn_mask=the model's mask)``, whose local layers visit only the band's tiles.
 ``output_attentions`` and mixed dtypes run the original.
 """
 from __future__ import annotations
@@ -149,6 +158,25 @@ class FalconAttentionMixin:
         return self.dense(context), None
 
 
+class GPTNeoSelfAttentionMixin:
+    _ff_what = "ff.attention (unscaled scores; local layers as a window, their band's tiles only)"
+
+    def forward(self, hidden_states, attention_mask=None, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        if output_attentions or hidden_states.dtype != self.q_proj.weight.dtype:
+            return super().forward(hidden_states, attention_mask, layer_past, use_cache,
+                                   output_attentions, **kwargs)
+        q, k, v = (self._split_heads(proj(hidden_states), self.num_heads, self.head_dim)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))  # (B, H, L, D) views
+        if layer_past is not None:
+            k, v = layer_past.update(k, v, self.layer_id)
+        p = self.attn_dropout.p if self.training else 0.0
+        context = attention(q, k, v, causal="bottom_right", attn_mask=attention_mask, window=self._ff_window,
+                            dropout_p=p, scale=1.0)
+        out = self.out_proj(self._merge_heads(context, self.num_heads, self.head_dim))
+        return self.resid_dropout(out), None
+
+
 def _module_of(m: nn.Module):
     return sys.modules[type(m)._fastformer_original.__module__]
 
@@ -196,4 +224,24 @@ def convert_falcon_attention(m: nn.Module, swap) -> Optional[str]:
     return None
 
 
-__all__ = ["convert_bloom_attention", "convert_falcon_attention", "convert_mpt_attention", "convert_mpt_block"]
+def convert_gpt_neo_attention(m: nn.Module, swap) -> Optional[str]:
+    """Swap a GPTNeoSelfAttention for GPTNeoSelfAttentionMixin, or say why not."""
+    kind, bias = getattr(m, "attention_type", None), getattr(m, "bias", None)
+    window = getattr(getattr(m, "config", None), "window_size", None)
+    if kind not in ("global", "local") or not isinstance(bias, torch.Tensor) or bias.dim() != 4:
+        return "not the GPTNeoSelfAttention form (attention_type, causal buffer)"
+    if kind == "local" and not (isinstance(window, int) and window >= 1):
+        return f"a local layer without a window_size >= 1 (got {window!r})"
+    # The buffer is what the original masks by: check it is the band the window describes.
+    n = bias.shape[-1]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    band = (j <= i) & ((i - j < window) if kind == "local" else True)
+    if not torch.equal(bias[0, 0].cpu(), band):
+        return "its causal buffer is not the causal (local: window) band"
+    m._ff_window = (window - 1, 0) if kind == "local" else None
+    swap(m, GPTNeoSelfAttentionMixin)
+    return None
+
+
+__all__ = ["convert_bloom_attention", "convert_falcon_attention", "convert_gpt_neo_attention",
+           "convert_mpt_attention", "convert_mpt_block"]
