@@ -405,6 +405,8 @@ def _convert_moe_form_lm(m: nn.Module) -> Optional[str]:
 
 
 # ---- the table -------------------------------------------------------------------------------------
+# Attention modules in their model's own code that the table below converts (hf_own_attention.py)
+_OWN_ATTENTION = frozenset({"BloomAttention", "MptAttention", "FalconAttention", "GPTNeoSelfAttention"})
 _RMS_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3", "Gemma3Text")
 _CONVERTERS: dict = {}
 for _f in _RMS_FAMILIES:
@@ -546,8 +548,10 @@ def convert_transformers(model: nn.Module, replaced: list, left: list, loss: boo
         model.set_attn_implementation(ff_hf.NAME)
         replaced.append(("", type(model).__name__, f"attention: attn_implementation={ff_hf.NAME!r}"))
     elif not interface:
+        own = [m for m in model.modules() if type(m).__name__ in _OWN_ATTENTION]
         left.append(("", type(model).__name__, "its attention modules do not call transformers' attention "
-                     "interface (their own code or torch's SDPA): attn_implementation left as it was"))
+                     "interface (their own code or torch's SDPA): attn_implementation left as it was"
+                     + ("; the ones listed as replaced run on ff.attention" if own else "")))
     else:
         left.append(("", type(model).__name__, "transformers runs its attention as eager only (no sdpa, no "
                      "attention backend): attn_implementation left as it was"))
