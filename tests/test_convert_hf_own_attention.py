@@ -103,7 +103,7 @@ def _reference(model, inputs):
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("heads", [4, 6])
 @pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left_padded"])
-def test_alibi_attention_on_the_kernels_matches_fp64(family, heads, padded, monkeypatch):
+def test_own_attention_on_the_kernels_matches_fp64(family, heads, padded, monkeypatch):
     calls = []
     kernel = hf_own_attention.attention
     monkeypatch.setattr(hf_own_attention, "attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
@@ -123,7 +123,7 @@ def test_alibi_attention_on_the_kernels_matches_fp64(family, heads, padded, monk
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_alibi_bf16_error_ratio(family):
+def test_own_attention_bf16_error_ratio(family):
     model = _model(family)
     ours = ff.convert(copy.deepcopy(model).to(torch.bfloat16)).model
     inputs = _inputs(padded=True, family=family)
@@ -138,7 +138,7 @@ def test_alibi_bf16_error_ratio(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_alibi_generate_with_cache_matches_unconverted(family):
+def test_own_attention_generate_with_cache_matches_unconverted(family):
     model = _model(family)
     ours = ff.convert(model, inplace=False).model
     inputs = _inputs(padded=True, family=family)
@@ -153,7 +153,7 @@ def test_alibi_generate_with_cache_matches_unconverted(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_alibi_output_attentions_runs_the_original(family):
+def test_own_attention_output_attentions_runs_the_original(family):
     model = _model(family)
     ours = ff.convert(model, inplace=False).model
     inputs = _inputs(padded=False, family=family)

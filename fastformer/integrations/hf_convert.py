@@ -89,8 +89,7 @@ from ..ops.embedding import embedding
 from ..ops.ffn import ffn
 from ..ops.linear import linear
 from . import hf_moe
-from .hf_own_attention import (convert_bloom_attention, convert_falcon_attention, convert_gpt_neo_attention,
-                               convert_mpt_attention, convert_mpt_block)
+from .hf_own_attention import OWN_ATTENTION, convert_mpt_block
 from .hf_lm_loss import CausalLMLoss as _CausalLMLoss
 from .hf_lm_loss import MoECausalLMLoss as _MoECausalLMLoss
 from .hf_lm_loss import decoder_of
@@ -405,8 +404,6 @@ def _convert_moe_form_lm(m: nn.Module) -> Optional[str]:
 
 
 # ---- the table -------------------------------------------------------------------------------------
-# Attention modules in their model's own code that the table below converts (hf_own_attention.py)
-_OWN_ATTENTION = frozenset({"BloomAttention", "MptAttention", "FalconAttention", "GPTNeoSelfAttention"})
 _RMS_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3", "Gemma", "Gemma2", "Gemma3", "Gemma3Text")
 _CONVERTERS: dict = {}
 for _f in _RMS_FAMILIES:
@@ -433,10 +430,6 @@ _CONVERTERS.update({
     "T5DenseGatedActDense": lambda m: _convert_act(m, getattr(m, "act", None), _T5DenseGatedActDense),
     "GPT2LMHeadModel": _convert_causal_lm,
     "T5Attention": _convert_t5_attention,
-    "BloomAttention": lambda m: convert_bloom_attention(m, _swap),
-    "MptAttention": lambda m: convert_mpt_attention(m, _swap),
-    "FalconAttention": lambda m: convert_falcon_attention(m, _swap),
-    "GPTNeoSelfAttention": lambda m: convert_gpt_neo_attention(m, _swap),
     "FalconLinear": lambda m: (_swap(m, _FewRowsLinear) if type(m).__module__.startswith("transformers.")
                                else "not transformers' FalconLinear"),
     "MptBlock": lambda m: convert_mpt_block(m, _swap),
@@ -447,6 +440,8 @@ _CONVERTERS.update({
     "Conv1D": lambda m: (_swap(m, _Conv1DLinear) if type(m).__module__.startswith("transformers.")
                          else "not transformers' Conv1D"),
 })
+# attention modules in their model's own code (BLOOM, MPT, Falcon, GPT-Neo): hf_own_attention.py
+_CONVERTERS.update({name: (lambda m, convert=convert: convert(m, _swap)) for name, convert in OWN_ATTENTION.items()})
 
 
 
@@ -548,7 +543,7 @@ def convert_transformers(model: nn.Module, replaced: list, left: list, loss: boo
         model.set_attn_implementation(ff_hf.NAME)
         replaced.append(("", type(model).__name__, f"attention: attn_implementation={ff_hf.NAME!r}"))
     elif not interface:
-        own = [m for m in model.modules() if type(m).__name__ in _OWN_ATTENTION]
+        own = [m for m in model.modules() if type(m).__name__ in OWN_ATTENTION]
         left.append(("", type(model).__name__, "its attention modules do not call transformers' attention "
                      "interface (their own code or torch's SDPA): attn_implementation left as it was"
                      + ("; the ones listed as replaced run on ff.attention" if own else "")))

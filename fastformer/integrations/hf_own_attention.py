@@ -143,9 +143,8 @@ class FalconAttentionMixin:
         q = q.transpose(1, 2).reshape(batch, self.num_heads, q_length, self.head_dim)
         k = k.transpose(1, 2).reshape(batch, heads_kv, q_length, self.head_dim)
         v = v.transpose(1, 2).reshape(batch, heads_kv, q_length, self.head_dim)
-        module = _module_of(self)
         if alibi is None:
-            rotate = module.apply_rotary_pos_emb
+            rotate = _module_of(self).apply_rotary_pos_emb
             if not torch.compiler.is_compiling():
                 rotate = fused_rotary(rotate)
             q, k = rotate(q, k, *position_embeddings)
@@ -243,5 +242,8 @@ def convert_gpt_neo_attention(m: nn.Module, swap) -> Optional[str]:
     return None
 
 
-__all__ = ["convert_bloom_attention", "convert_falcon_attention", "convert_gpt_neo_attention",
-           "convert_mpt_attention", "convert_mpt_block"]
+# The attention classes converted here, by class name: converter(module, swap) -> why not, or None.
+OWN_ATTENTION = {"BloomAttention": convert_bloom_attention, "MptAttention": convert_mpt_attention,
+                 "FalconAttention": convert_falcon_attention, "GPTNeoSelfAttention": convert_gpt_neo_attention}
+
+__all__ = ["OWN_ATTENTION", "convert_mpt_block"]
