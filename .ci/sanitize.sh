@@ -35,7 +35,7 @@ set +e
 LD_PRELOAD="$asan $ubsan" PYTHONPATH="$work" python -m pytest -q -x -p no:cacheprovider -m "not slow" \
   tests/test_norm.py tests/test_attention.py tests/test_special_values.py tests/test_large.py \
   tests/test_determinism.py tests/test_fuzz.py tests/test_ffn.py tests/test_positional.py \
-  tests/test_linear_rows.py tests/test_clamped_gate.py \
+  tests/test_linear_rows.py tests/test_clamped_gate.py tests/test_relative_bias.py \
   -k "cpu or large or determinism or special or thread or offsets or in_major or each_level" > test.log 2>&1
 status=$?
 set -e

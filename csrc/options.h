@@ -1,9 +1,10 @@
 // The options of each op family as C++ structs, field for field the Python option dataclasses
 // (AttentionOptions in fastformer/ops/attention.py, NormOptions in ops/norm.py, FfnOptions in
 // ops/ffn.py, RotaryOptions in ops/rotary.py, LinearCrossEntropyOptions in
-// ops/linear_cross_entropy.py). pybind11 fills a struct straight from the Python
-// object, reading each field by name (the casters below); _C.option_fields() lists the fields
-// so that a test can check that both sides have the same ones in the same order.
+// ops/linear_cross_entropy.py, RelativeBiasOptions in ops/relative_bias.py). pybind11 fills a
+// struct straight from the Python object, reading each field by name (the casters below);
+// _C.option_fields() lists the fields so that a test can check that both sides have the same
+// ones in the same order.
 //
 // Adding an option: one X(type, name) line here, the same field in the Python dataclass, and
 // the kernels that honour it (a backend whose Python Impl does not list the field never sees a
@@ -67,13 +68,19 @@ namespace fastformer {
   X(bool, grad_weight)                       \
   X(bool, grad_bias)
 
+#define FF_RELATIVE_BIAS_OPTIONS(X)       \
+  X(std::optional<at::Tensor>, c2p_index) \
+  X(std::optional<at::Tensor>, p2c_index) \
+  X(std::optional<at::Tensor>, visible)
+
 // Every family: X(struct name, field list, Python family name).
 #define FF_OPTION_STRUCTS(X)                          \
   X(AttentionOptions, FF_ATTENTION_OPTIONS, "attention") \
   X(NormOptions, FF_NORM_OPTIONS, "add_norm")         \
   X(FfnOptions, FF_FFN_OPTIONS, "ffn")                \
   X(RotaryOptions, FF_ROTARY_OPTIONS, "rotary")      \
-  X(LinearCrossEntropyOptions, FF_LINEAR_CROSS_ENTROPY_OPTIONS, "linear_cross_entropy")
+  X(LinearCrossEntropyOptions, FF_LINEAR_CROSS_ENTROPY_OPTIONS, "linear_cross_entropy") \
+  X(RelativeBiasOptions, FF_RELATIVE_BIAS_OPTIONS, "relative_bias")
 
 #define FF_OPTION_FIELD(type, name) type name{};
 #define FF_OPTION_STRUCT(Struct, FIELDS, family) \

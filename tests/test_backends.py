@@ -145,14 +145,15 @@ def test_cpu_arch_override_env():
 
 def test_option_structs_mirror_the_python_options():
     """csrc/options.h's structs have the Python option dataclasses' fields, in their order."""
-    from fastformer.ops import attention, ffn, linear_cross_entropy, norm, rotary
+    from fastformer.ops import attention, ffn, linear_cross_entropy, norm, relative_bias, rotary
     fields = ff._ext.C.option_fields()
     assert fields == {"attention": list(attention.AttentionOptions.fields),
                       "add_norm": list(norm.NormOptions.fields),
                       "ffn": list(ffn.FfnOptions.fields),
                       "rotary": list(rotary.RotaryOptions.fields),
                       "linear_cross_entropy":
-                          list(linear_cross_entropy.LinearCrossEntropyOptions.fields)}
+                          list(linear_cross_entropy.LinearCrossEntropyOptions.fields),
+                      "relative_bias": list(relative_bias.RelativeBiasOptions.fields)}
 
 
 def test_an_option_an_implementation_does_not_list_is_declined_by_its_name():

@@ -10,4 +10,5 @@
 #include "cpu/bindings/linear.h"
 #include "cpu/bindings/linear_cross_entropy.h"
 #include "cpu/bindings/norm.h"
+#include "cpu/bindings/relative_bias.h"
 #include "cpu/bindings/rotary.h"

@@ -151,6 +151,23 @@ struct RotaryArgs {
   bool conj = false;                 // rotate by -theta (the backward)
 };
 
+// ---- DeBERTa's disentangled relative-position bias ---------------------------------------------
+// Semantics and algorithm: csrc/cpu/relative_bias.cpp. Every tensor contiguous.
+struct RelativeBiasArgs {
+  DType dtype;                       // c2p, p2c, out, dout, dc2p, dp2c
+  int64_t B = 0, H = 0, Lq = 0, Lk = 0, W = 0;
+  int64_t Bv = 1;                    // visible's batch: 1 (shared) or B
+  const void* c2p = nullptr;         // (B, H, Lq, W), or null (no content -> position term)
+  const void* p2c = nullptr;         // (B, H, Lk, W), or null (no position -> content term)
+  const int64_t* c2p_index = nullptr;  // (Lq, Lk), values in [0, W)
+  const int64_t* p2c_index = nullptr;  // (Lq, Lk): key j's row of p2c at column p2c_index[i, j]
+  const bool* visible = nullptr;     // (Bv, Lq, Lk), true = attend; null: all
+  void* out = nullptr;               // forward: (B, H, Lq, Lk)
+  const void* dout = nullptr;        // backward: (B, H, Lq, Lk)
+  void* dc2p = nullptr;              // backward outputs, null when not wanted
+  void* dp2c = nullptr;
+};
+
 // ---- feed-forward block -------------------------------------------------------------------
 // A 2-D matrix view: element (r, c) at ptr + rows.offset(r) + c * col_stride (in elements).
 struct MatView {
@@ -337,6 +354,8 @@ struct PairAddArgs {
   X(linear_rows, LinearRowsArgs)   \
   X(weight_grad, WeightGradArgs)   \
   X(rotary, RotaryArgs)            \
+  X(relative_bias_fwd, RelativeBiasArgs) \
+  X(relative_bias_bwd, RelativeBiasArgs) \
   X(lce_rows, LceRowsArgs)         \
   X(lce_pair_add, PairAddArgs)
 

@@ -49,6 +49,8 @@ BLOOM / MPT / Falcon /      ``ff.attention`` with the model's ALiBi slopes and m
 GPT-Neo attention           tensor; Falcon's rotary form on ``ff.apply_rotary`` and
                             ``ff.attention``; GPT-Neo's local layers as a window
                             (integrations/hf_own_attention.py)
+DeBERTa-v2 / v3, SEW-D      ``ff.attention`` with the two relative terms gathered into its bias
+attention                   in one pass (ops/relative_bias.py; integrations/hf_deberta.py)
 nn.Embedding (every one)    ops/embedding.py: under torch.compile the backward is aten's
                             kernel (inductor's own scatter-add took 200 ms of a compiled bf16
                             Mistral-style training step, aten's ~30); eager calls unchanged
@@ -440,7 +442,7 @@ _CONVERTERS.update({
     "Conv1D": lambda m: (_swap(m, _Conv1DLinear) if type(m).__module__.startswith("transformers.")
                          else "not transformers' Conv1D"),
 })
-# attention modules in their model's own code (BLOOM, MPT, Falcon, GPT-Neo): hf_own_attention.py
+# attention modules in their model's own code (BLOOM, MPT, Falcon, GPT-Neo, DeBERTa-v2): hf_own_attention.py
 _CONVERTERS.update({name: (lambda m, convert=convert: convert(m, _swap)) for name, convert in OWN_ATTENTION.items()})
 
 

@@ -1,0 +1,140 @@
+"""DeBERTa-v2 / v3's disentangled attention converted (integrations/hf_deberta.py): ff.attention
+with the relative terms as its bias (ops/relative_bias.py), against the unconverted model run in
+fp64 — the hidden states at every position (padded rows included: the converted forward gives
+them the original's mean of V) and every parameter's gradient — over the config forms the
+checkpoints use (shared or separate position projections, c2p / p2c / both / none, log-bucketed
+or plain relative positions over more tokens than the buckets), bf16 by the error-ratio rule,
+a classification head, output_attentions (the original), torch.compile, and DeBERTa v1 (left
+on its own code, with the reason)."""
+import copy
+
+import pytest
+import torch
+from oracle import GRAD_FACTOR, LOWP_ATOL, OUT_FACTOR, assert_lowp_rule, assert_model_matches
+
+transformers = pytest.importorskip("transformers", reason="needs transformers")
+
+import fastformer as ff  # noqa: E402
+from fastformer.integrations import hf_deberta  # noqa: E402
+
+FORMS = {
+    "v3": dict(),                                     # deberta-v3-base's: shared keys, both terms
+    "separate_projections": dict(share_att_key=False),
+    "c2p_only": dict(pos_att_type=["c2p"]),
+    "p2c_only": dict(pos_att_type=["p2c"]),
+    "no_relative": dict(relative_attention=False),
+    "plain_positions": dict(position_buckets=-1, max_relative_positions=16),
+}
+
+
+def _model(form="v3", heads=4, cls=None, seed=0):
+    kw = dict(vocab_size=97, hidden_size=16 * heads, num_hidden_layers=2, num_attention_heads=heads,
+              intermediate_size=48, max_position_embeddings=64, relative_attention=True,
+              pos_att_type=["p2c", "c2p"], position_buckets=8, max_relative_positions=-1,
+              share_att_key=True, norm_rel_ebd="layer_norm", hidden_dropout_prob=0.0,
+              attention_probs_dropout_prob=0.0, num_labels=3)
+    kw.update(FORMS[form])
+    torch.manual_seed(seed)
+    return (cls or transformers.DebertaV2Model)(transformers.DebertaV2Config(**kw)).eval()
+
+
+def _inputs(L=23):
+    ids = torch.randint(2, 90, (2, L), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, L, dtype=torch.long)
+    mask[1, L - 6:] = 0  # row 1 right-padded by 6
+    return dict(input_ids=ids, attention_mask=mask)
+
+
+def _run(model, inputs):
+    """(hidden states at every position, {name: gradient}) for a fixed random seed of the
+    output's gradient."""
+    out = model(**inputs).last_hidden_state
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    grads = torch.autograd.grad((out.double() * g).sum(), params, allow_unused=True)
+    return out.detach(), dict(zip(names, grads))
+
+
+def _spy(monkeypatch):
+    calls = []
+    kernel = hf_deberta.attention
+    monkeypatch.setattr(hf_deberta, "attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
+    return calls
+
+
+@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("heads", [4, 6])
+def test_deberta_v2_attention_on_the_kernels_matches_fp64(form, heads, monkeypatch):
+    calls = _spy(monkeypatch)
+    model = _model(form, heads)
+    report = ff.convert(model, inplace=False)
+    ours = report.model
+    converted = [r for r in report.replaced if r[1] == "DisentangledSelfAttention"]
+    assert len(converted) == 2 and "ff.attention" in converted[0][2], str(report)
+    out, grads = _run(ours, _inputs())
+    assert len(calls) == 2
+    if form != "no_relative":
+        assert calls[0]["attn_mask"].dtype == torch.float32  # the relative terms, as a bias
+    ref, ref_grads = _run(copy.deepcopy(model).double(), _inputs())
+    assert_model_matches(out, grads, ref, ref_grads)
+    assert ours.state_dict().keys() == model.state_dict().keys()
+
+
+def test_deberta_v2_bf16_error_ratio():
+    model = _model()
+    ours = ff.convert(copy.deepcopy(model).to(torch.bfloat16)).model
+    out, grads = _run(ours, _inputs())
+    low, low_grads = _run(copy.deepcopy(model).to(torch.bfloat16), _inputs())
+    ref, ref_grads = _run(copy.deepcopy(model).double(), _inputs())
+    atol = LOWP_ATOL[torch.bfloat16]
+    assert_lowp_rule("out", out, ref, low, OUT_FACTOR, atol * ref.abs().max().item())
+    for n, r in ref_grads.items():
+        if r is not None:
+            assert_lowp_rule(f"d{n}", grads[n], r, low_grads[n], GRAD_FACTOR, atol * r.abs().max().item())
+
+
+def test_deberta_v2_classifier_loss_and_training_dropout():
+    model = _model(cls=transformers.DebertaV2ForSequenceClassification)
+    ours = ff.convert(model, inplace=False).model
+    labels = torch.tensor([0, 2])
+    want = model(**_inputs(), labels=labels).loss
+    got = ours(**_inputs(), labels=labels).loss
+    assert (got - want).abs() <= 1e-5 * want.abs()
+    # attention dropout in training: the kernels' dropout, a finite loss and gradients
+    ours.config.attention_probs_dropout_prob = 0.1
+    for m in ours.modules():
+        if type(m).__name__ == "DisentangledSelfAttention":
+            m.dropout.p = 0.1
+    ours.train()
+    loss = ours(**_inputs(), labels=labels).loss
+    loss.backward()
+    assert loss.isfinite() and all(p.grad.isfinite().all() for p in ours.parameters() if p.grad is not None)
+
+
+def test_deberta_v2_output_attentions_runs_the_original():
+    model = _model()
+    ours = ff.convert(model, inplace=False).model
+    with torch.no_grad():
+        out = ours(**_inputs(), output_attentions=True)
+        ref = model(**_inputs(), output_attentions=True)
+    assert out.attentions is not None and len(out.attentions) == 2
+    torch.testing.assert_close(out.attentions[0], ref.attentions[0])
+    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=1e-5, rtol=1e-5)
+
+
+def test_deberta_v2_converted_compiles():
+    model = _model()
+    ours = ff.convert(model, inplace=False).model
+    compiled = torch.compile(ours)
+    with torch.no_grad():
+        want = ours(**_inputs()).last_hidden_state
+        got = compiled(**_inputs()).last_hidden_state
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_deberta_v1_attention_is_left_with_its_reason():
+    cfg = transformers.DebertaConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=48, relative_attention=True, pos_att_type=["p2c", "c2p"])
+    report = ff.convert(transformers.DebertaModel(cfg), inplace=False)
+    left = [r for r in report.left if r[1] == "DisentangledSelfAttention"]
+    assert len(left) == 2 and "DeBERTa v1" in left[0][2], str(report)
