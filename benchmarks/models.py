@@ -102,6 +102,16 @@ def _configs():
         "Phi-3-style 4x2048 GQA 32/8": (t.Phi3Config, t.Phi3ForCausalLM, dict(llama, pad_token_id=0), 1, 1024),
         "BERT-base 12x768": (t.BertConfig, t.BertModel, dict(vocab_size=30522, hidden_size=768,
                               num_hidden_layers=12, num_attention_heads=12, intermediate_size=3072), 4, 256),
+        # DeBERTa-v3-base's form: its disentangled attention in its own code (transformers has no sdpa
+        # path for it: "sdpa" is its own attention); ff.convert: the relative terms gathered into one
+        # bias in one pass (ops/relative_bias.py), ff.attention; log-bucketed positions past 128
+        "DeBERTa-v3-base-style 12x768": (t.DebertaV2Config, t.DebertaV2Model,
+                                         dict(vocab_size=128100, hidden_size=768, num_hidden_layers=12,
+                                              num_attention_heads=12, intermediate_size=3072,
+                                              relative_attention=True, pos_att_type=["p2c", "c2p"],
+                                              position_buckets=256, max_relative_positions=-1,
+                                              max_position_embeddings=512, share_att_key=True,
+                                              norm_rel_ebd="layer_norm", type_vocab_size=0), 4, 512),
         "GPT-2 small 12x768": (t.GPT2Config, t.GPT2LMHeadModel, dict(n_embd=768, n_layer=12, n_head=12,
                                 n_positions=1024), 2, 512),
         "T5-small 6+6x512": (t.T5Config, t.T5Model, dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6,
