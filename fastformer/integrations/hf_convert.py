@@ -49,8 +49,9 @@ BLOOM / MPT / Falcon /      ``ff.attention`` with the model's ALiBi slopes and m
 GPT-Neo attention           tensor; Falcon's rotary form on ``ff.apply_rotary`` and
                             ``ff.attention``; GPT-Neo's local layers as a window
                             (integrations/hf_own_attention.py)
-DeBERTa-v2 / v3, SEW-D      ``ff.attention`` with the two relative terms gathered into its bias
-attention                   in one pass (ops/relative_bias.py; integrations/hf_deberta.py)
+DeBERTa v1 / v2 / v3, SEW-D ``ff.attention`` with the two relative terms gathered into its bias
+attention                   in one pass (ops/relative_bias.py; integrations/hf_deberta.py);
+                            v1's DebertaLayerNorm with its residual add as BERT's LayerNorm
 nn.Embedding (every one)    ops/embedding.py: under torch.compile the backward is aten's
                             kernel (inductor's own scatter-add took 200 ms of a compiled bf16
                             Mistral-style training step, aten's ~30); eager calls unchanged
@@ -106,6 +107,7 @@ from .hf_residual import PreNormEncoderLayer as _PreNormEncoderLayer
 from .hf_residual import SandwichDecoderLayer as _SandwichDecoderLayer
 from .hf_residual import add_norm as _add_norm
 from .hf_residual import layer_norm_added as _layer_norm_added
+from .hf_residual import layer_norm_params
 from .hf_rotary import calls_attention_interface, class_form, convert_rotary_attention, rotary_mixin
 from .hf_seq2seq_forms import seq2seq_forms
 
@@ -442,7 +444,7 @@ _CONVERTERS.update({
     "Conv1D": lambda m: (_swap(m, _Conv1DLinear) if type(m).__module__.startswith("transformers.")
                          else "not transformers' Conv1D"),
 })
-# attention modules in their model's own code (BLOOM, MPT, Falcon, GPT-Neo, DeBERTa-v2): hf_own_attention.py
+# attention modules in their model's own code (BLOOM, MPT, Falcon, GPT-Neo, DeBERTa): hf_own_attention.py
 _CONVERTERS.update({name: (lambda m, convert=convert: convert(m, _swap)) for name, convert in OWN_ATTENTION.items()})
 
 
@@ -469,8 +471,8 @@ def _convert_bert_form_layer(m: nn.Module) -> Optional[str]:
 
 
 def _convert_bert_form_add_norm(m: nn.Module) -> Optional[str]:
-    if not isinstance(getattr(m, "LayerNorm", None), nn.LayerNorm):
-        return "its LayerNorm is not an nn.LayerNorm"
+    if layer_norm_params(getattr(m, "LayerNorm", None)) is None:
+        return "its LayerNorm is not an nn.LayerNorm over the last dimension (or DeBERTa's)"
     _swap(m, _BertAddNorm)
     return None
 

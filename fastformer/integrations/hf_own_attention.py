@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from ..ops.attention import attention
-from .hf_deberta import convert_deberta_v2_attention
+from .hf_deberta import convert_disentangled_attention
 from .hf_rotary import fused_rotary
 
 
@@ -246,6 +246,6 @@ def convert_gpt_neo_attention(m: nn.Module, swap) -> Optional[str]:
 # The attention classes converted here, by class name: converter(module, swap) -> why not, or None.
 OWN_ATTENTION = {"BloomAttention": convert_bloom_attention, "MptAttention": convert_mpt_attention,
                  "FalconAttention": convert_falcon_attention, "GPTNeoSelfAttention": convert_gpt_neo_attention,
-                 "DisentangledSelfAttention": convert_deberta_v2_attention}  # DeBERTa-v2 / v3: hf_deberta.py
+                 "DisentangledSelfAttention": convert_disentangled_attention}  # DeBERTa: hf_deberta.py
 
 __all__ = ["OWN_ATTENTION", "convert_mpt_block"]

@@ -57,11 +57,23 @@ def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor):
     return norm(total), total
 
 
+def layer_norm_params(norm: nn.Module):
+    """(weight, bias, eps) of a LayerNorm over the last dimension: nn.LayerNorm, or DeBERTa's
+    own DebertaLayerNorm (the same function; it rounds x_hat to the input dtype before the
+    affine, which in fp32 changes nothing and in bf16 is one rounding the fused kernel skips);
+    None for any other module."""
+    if isinstance(norm, nn.LayerNorm):
+        return (norm.weight, norm.bias, norm.eps) if len(norm.normalized_shape) == 1 else None
+    if type(norm).__name__ == "DebertaLayerNorm" and type(norm).__module__.startswith("transformers."):
+        return norm.weight, norm.bias, float(norm.variance_epsilon)
+    return None
+
+
 def layer_norm_added(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """norm(x + residual) for a LayerNorm, fused."""
-    if isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1 and \
-            same_dtype(x, norm.weight, norm.bias):
-        return add_layer_norm(x, residual, norm.weight, norm.bias, norm.eps)
+    """norm(x + residual) for a LayerNorm (layer_norm_params), fused."""
+    params = layer_norm_params(norm)
+    if params is not None and same_dtype(x, params[0], params[1]):
+        return add_layer_norm(x, residual, *params)
     return norm(x + residual)
 
 
