@@ -98,6 +98,11 @@ def _configs():
                                                  dict(vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12,
                                                       attention_types=[[["global", "local"], 6]], window_size=256,
                                                       max_position_embeddings=2048), 1, 2048),
+        # XGLM's attention in its own code (BART's attention written out; no sdpa path: "sdpa" is its
+        # eager attention); ff.convert: ff.attention with the model's causal mask, the band's tiles
+        "XGLM-564M-style 4x1024": (t.XGLMConfig, t.XGLMForCausalLM,
+                                   dict(vocab_size=32000, d_model=1024, num_layers=4, attention_heads=16,
+                                        ffn_dim=4096, max_position_embeddings=2048), 1, 1024),
         # the gate and up projections as one (2 x 5632, 2048) linear: ff.swiglu_ffn on its halves
         "Phi-3-style 4x2048 GQA 32/8": (t.Phi3Config, t.Phi3ForCausalLM, dict(llama, pad_token_id=0), 1, 1024),
         "BERT-base 12x768": (t.BertConfig, t.BertModel, dict(vocab_size=30522, hidden_size=768,

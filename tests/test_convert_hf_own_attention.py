@@ -2,7 +2,7 @@
 BLOOM's and MPT's on ff.attention with the model's ALiBi slopes and mask in place of its own
 scores, Falcon's (its ALiBi bias mask, its rotary forms: multi-query and the new decoder
 architecture's grouped heads), GPT-Neo's (unscaled, global and local layers; a window of 5 keys
-over 13 tokens), against the unconverted model run in fp64: logits and
+over 13 tokens), XGLM's (BART's attention written out; the config's output_attentions too), against the unconverted model run in fp64: logits and
 every parameter's gradient (oracle.assert_model_matches), with and without left padding, a head
 count that is not a power of two (both families' extra slopes), bf16 by the error-ratio rule,
 greedy generation with the cache against the unconverted model's tokens and logits, and
@@ -26,10 +26,10 @@ import fastformer as ff  # noqa: E402
 from fastformer.integrations import hf_own_attention  # noqa: E402
 
 
-FAMILIES = ["bloom", "mpt", "falcon_alibi", "falcon_rotary_mq", "falcon_new_arch", "gpt_neo"]
+FAMILIES = ["bloom", "mpt", "falcon_alibi", "falcon_rotary_mq", "falcon_new_arch", "gpt_neo", "xglm"]
 ATTENTION = {"bloom": "BloomAttention", "mpt": "MptAttention", "falcon_alibi": "FalconAttention",
              "falcon_rotary_mq": "FalconAttention", "falcon_new_arch": "FalconAttention",
-             "gpt_neo": "GPTNeoSelfAttention"}
+             "gpt_neo": "GPTNeoSelfAttention", "xglm": "XGLMAttention"}
 # Falcon-RW (ALiBi, biases, sequential blocks), Falcon-7B's form (rotary, one key / value head,
 # parallel attention and MLP), Falcon-40B's (rotary, grouped key / value heads)
 FALCON = {"falcon_alibi": dict(alibi=True, multi_query=False, parallel_attn=False, bias=True),
@@ -50,6 +50,11 @@ def _model(family, heads=4, seed=0):
                                         attention_types=[[["global", "local"], 1]], window_size=5,
                                         max_position_embeddings=64)
         cls = transformers.GPTNeoForCausalLM
+    elif family == "xglm":
+        cfg = transformers.XGLMConfig(vocab_size=97, d_model=16 * heads, num_layers=2, attention_heads=heads,
+                                      ffn_dim=48, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+                                      activation_dropout=0.0)
+        cls = transformers.XGLMForCausalLM
     else:
         cfg = transformers.FalconConfig(vocab_size=97, hidden_size=16 * heads, num_hidden_layers=2,
                                         num_attention_heads=heads, **FALCON[family])
@@ -65,7 +70,7 @@ def _inputs(padded, family=None):
     if padded:
         mask[1, :4] = 0  # row 1 left-padded by 4
     out = dict(input_ids=ids, attention_mask=mask)
-    if family == "gpt_neo":  # learned absolute positions: count them from each row's first token
+    if family in ("gpt_neo", "xglm"):  # absolute positions: count them from each row's first token
         out["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
     return out
 
@@ -92,10 +97,17 @@ def _reference(model, inputs):
     g = _seed((*keep.shape, model.config.vocab_size))
     names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
     outs, total = [], 0
-    for b in range(keep.shape[0]):
-        logits = model(input_ids=inputs["input_ids"][b:b + 1, keep[b]]).logits
-        outs.append(logits.detach()[0])
-        total = total + (logits * g[b:b + 1, keep[b]]).sum()
+    # XGLM's eager attention clamps its scores with torch.full((), finfo(dtype).min), made in the
+    # default dtype: in fp64 that overflows fp32 unless the default is fp64 too
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for b in range(keep.shape[0]):
+            logits = model(input_ids=inputs["input_ids"][b:b + 1, keep[b]]).logits
+            outs.append(logits.detach()[0])
+            total = total + (logits * g[b:b + 1, keep[b]]).sum()
+    finally:
+        torch.set_default_dtype(default)
     grads = torch.autograd.grad(total, params, allow_unused=True)
     return torch.cat(outs), dict(zip(names, grads))
 
@@ -176,3 +188,16 @@ def test_falcon_alibi_long_rows_keep_the_models_bf16_bias():
         want = model(input_ids=ids).logits
         got = ours(input_ids=ids).logits
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_xglm_attentions_asked_by_config_run_the_original():
+    """XGLM's attentions reach the output through transformers' recorder, also when the config
+    (not an argument) asks for them: the converted forward sees the recorder collecting."""
+    model = _model("xglm")
+    ours = ff.convert(model, inplace=False).model
+    inputs = _inputs(padded=False, family="xglm")
+    ours.config.output_attentions = model.config.output_attentions = True
+    with torch.no_grad():
+        out, ref = ours(**inputs), model(**inputs)
+    assert out.attentions is not None and len(out.attentions) == 2
+    torch.testing.assert_close(out.attentions[1], ref.attentions[1])

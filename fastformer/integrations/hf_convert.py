@@ -46,9 +46,9 @@ T5 feed-forward             DenseReluDense on ``ff.ffn`` (dropout fused); the ga
 T5 attention's bias         ``ff.RelativePositionBias`` on the layer's table, computed inside the
                             attention kernels (no (1, H, Lq, Lk) bias tensor)
 BLOOM / MPT / Falcon /      ``ff.attention`` with the model's ALiBi slopes and mask, no score
-GPT-Neo attention           tensor; Falcon's rotary form on ``ff.apply_rotary`` and
-                            ``ff.attention``; GPT-Neo's local layers as a window
-                            (integrations/hf_own_attention.py)
+GPT-Neo / XGLM attention    tensor; Falcon's rotary form on ``ff.apply_rotary`` and
+                            ``ff.attention``; GPT-Neo's local layers as a window; XGLM's causal
+                            self-attention (integrations/hf_own_attention.py)
 DeBERTa v1 / v2 / v3, SEW-D ``ff.attention`` with the two relative terms gathered into its bias
 attention                   in one pass (ops/relative_bias.py; integrations/hf_deberta.py);
                             v1's DebertaLayerNorm with its residual add as BERT's LayerNorm
@@ -444,7 +444,7 @@ _CONVERTERS.update({
     "Conv1D": lambda m: (_swap(m, _Conv1DLinear) if type(m).__module__.startswith("transformers.")
                          else "not transformers' Conv1D"),
 })
-# attention modules in their model's own code (BLOOM, MPT, Falcon, GPT-Neo, DeBERTa): hf_own_attention.py
+# attention modules in their model's own code (BLOOM, MPT, Falcon, GPT-Neo, XGLM, DeBERTa): hf_own_attention.py
 _CONVERTERS.update({name: (lambda m, convert=convert: convert(m, _swap)) for name, convert in OWN_ATTENTION.items()})
 
 

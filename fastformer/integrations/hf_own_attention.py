@@ -1,7 +1,8 @@
 """ff.convert for attention modules written in their model's own code, outside transformers'
 attention interface (``attn_implementation`` never reaches them): BLOOM's and MPT's, their ALiBi
 inside the attention kernels (``alibi_slopes``); Falcon's (its ALiBi as the model's own bias mask,
-its rotary forms); GPT-Neo's (unscaled scores, local layers as a window).
+its rotary forms); GPT-Neo's (unscaled scores, local layers as a window); XGLM's (BART's attention
+written out); DeBERTa's (hf_deberta.py).
 
 transformers' ``BloomAttention`` has no attention interface: it forms the (B * H, Lq, Lk)
 scores with ``alibi.baddbmm(q, k^T)`` in the model's dtype, adds the 4-D mask, takes an fp32
@@ -51,6 +52,15 @@ query (key j visible to query i + Lk - Lq iff i + Lk - Lq - window_size < j <= i
 the model's mask: ``ff.attention(scale=1.0, causal="bottom_right", window=(window_size - 1, 0)
 on local layers, attn_mask=the model's mask)``, whose local layers visit only the band's tiles.
 ``output_attentions`` and mixed dtypes run the original.
+
+XGLM (``XGLMAttention``) is BART's attention in its own eager code: ``q * scaling``, bmm scores
+plus the model's additive (B, 1, Lq, Lk) causal mask (clamped at the dtype's minimum), softmax,
+dropout, bmm with V, returning the probabilities on every call, which transformers' output
+recorder keeps when the attentions are asked for (by argument or by config). The converted self-
+attention calls ``ff.attention(causal="bottom_right", attn_mask=the model's mask)`` (the band
+bounds the tiles the kernels visit) and returns no probabilities; it runs the original when they
+are asked for (the recorder's active collector names them), for cross-attention
+(``key_value_states``: XGLM as a decoder of another encoder) and for mixed dtypes.
 """
 from __future__ import annotations
 
@@ -177,6 +187,39 @@ class GPTNeoSelfAttentionMixin:
         return self.resid_dropout(out), None
 
 
+class XGLMAttentionMixin:
+    _ff_what = "ff.attention (causal, the model's mask; no (B * H, L, L) scores)"
+
+    def forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
+        if (key_value_states is not None or hidden_states.dtype != self.q_proj.weight.dtype
+                or _weights_wanted(kwargs)):
+            return super().forward(hidden_states, key_value_states, cache, attention_mask, **kwargs)
+        batch, q_length, _ = hidden_states.shape
+        q, k, v = (proj(hidden_states).unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))   # (B, H, L, D) views
+        if cache is not None:
+            self_cache = getattr(cache, "self_attention_cache", cache)  # EncoderDecoderCache or one cache
+            k, v = self_cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        p = self.dropout if self.training else 0.0
+        context = attention(q, k, v, causal="bottom_right", attn_mask=attention_mask, dropout_p=p,
+                            scale=self.scaling)
+        return self.out_proj(context.transpose(1, 2).reshape(batch, q_length, self.embed_dim)), None
+
+
+def _weights_wanted(kwargs) -> bool:
+    """Whether the caller reads the attention probabilities: output_attentions passed down, or
+    transformers' output recorder collecting them this call (its active collector; the
+    config's output_attentions reaches the modules only that way)."""
+    if kwargs.get("output_attentions"):
+        return True
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # another transformers: no recorder to ask, so assume they are wanted
+        return True
+    collecting = _active_collector.get()
+    return bool(collecting) and ("attentions" in collecting or "cross_attentions" in collecting)
+
+
 def _module_of(m: nn.Module):
     return sys.modules[type(m)._fastformer_original.__module__]
 
@@ -243,9 +286,19 @@ def convert_gpt_neo_attention(m: nn.Module, swap) -> Optional[str]:
     return None
 
 
+def convert_xglm_attention(m: nn.Module, swap) -> Optional[str]:
+    """Swap an XGLMAttention for XGLMAttentionMixin, or say why not."""
+    if not all(isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "out_proj")) \
+            or not isinstance(getattr(m, "scaling", None), float):
+        return "not the XGLMAttention form (q / k / v / out projections, a float scaling)"
+    swap(m, XGLMAttentionMixin)
+    return None
+
+
 # The attention classes converted here, by class name: converter(module, swap) -> why not, or None.
 OWN_ATTENTION = {"BloomAttention": convert_bloom_attention, "MptAttention": convert_mpt_attention,
                  "FalconAttention": convert_falcon_attention, "GPTNeoSelfAttention": convert_gpt_neo_attention,
+                 "XGLMAttention": convert_xglm_attention,
                  "DisentangledSelfAttention": convert_disentangled_attention}  # DeBERTa: hf_deberta.py
 
 __all__ = ["OWN_ATTENTION", "convert_mpt_block"]
