@@ -117,6 +117,14 @@ def _configs():
                                               position_buckets=256, max_relative_positions=-1,
                                               max_position_embeddings=512, share_att_key=True,
                                               norm_rel_ebd="layer_norm", type_vocab_size=0), 4, 512),
+        # DeBERTa v1 (deberta-base's form): fused in_proj with q / v biases, unbucketed positions over
+        # a span of 512 (W = 1024 relative embeddings), its own LayerNorm class
+        "DeBERTa-base-style (v1) 12x768": (t.DebertaConfig, t.DebertaModel,
+                                           dict(vocab_size=50265, hidden_size=768, num_hidden_layers=12,
+                                                num_attention_heads=12, intermediate_size=3072,
+                                                relative_attention=True, pos_att_type=["c2p", "p2c"],
+                                                max_relative_positions=-1, max_position_embeddings=512,
+                                                type_vocab_size=0), 4, 512),
         "GPT-2 small 12x768": (t.GPT2Config, t.GPT2LMHeadModel, dict(n_embd=768, n_layer=12, n_head=12,
                                 n_positions=1024), 2, 512),
         "T5-small 6+6x512": (t.T5Config, t.T5Model, dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6,
