@@ -13,7 +13,7 @@ position r(i, j) = bucket(i - j) and a span S (``position_buckets``, or the larg
   position -> content  p2c[i, j] = k_j . pq[clamp(-r(j, i) + S)] / s   pq = rel_emb W_pq
 
 The converted forward forms the (B, H, L, 2S) products against the 2S relative embeddings as the
-original does (with q and k scaled first), then one pass of ``relative_bias``
+original does (with the projected embeddings scaled first), then one pass of ``relative_bias``
 (ops/relative_bias.py) gathers both terms into the (B, H, L, L) bias with the mask folded in
 (-inf where the original writes the dtype's minimum), which ``ff.attention`` adds to its scores;
 the kernels' backward writes the bias gradient, which relative_bias's backward scatters back into
@@ -34,6 +34,7 @@ v1's talking heads (``head_logits_proj`` mixes the heads' scores) are not conver
 """
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -66,7 +67,10 @@ class _DisentangledAttention:
         visible = attention_mask.bool().expand(B, 1, L, L)             # True = attend
         if terms:
             rel, span, pos_key, pos_query = self._ff_positions(q, k, relative_pos, self.pos_dropout(rel_embeddings))
-            bias = _relative_terms(q * scale, k * scale, rel, span, pos_key, pos_query, visible.reshape(B, L, L),
+            # 1 / s on the 2S projected embeddings, not on the B * L rows of q and k (and their
+            # scaled copies kept for the products' backward)
+            bias = _relative_terms(q, k, rel, span, None if pos_key is None else pos_key * scale,
+                                   None if pos_query is None else pos_query * scale, visible.reshape(B, L, L),
                                    self.num_attention_heads)
         else:  # no relative terms (the original adds 0)
             bias = visible
@@ -145,8 +149,8 @@ class DebertaV1AttentionMixin(_DisentangledAttention):
 
 
 def _relative_terms(q, k, relative_pos, span, pos_key, pos_query, visible, heads):
-    """c2p + p2c as (B, H, L, L), -inf where not visible, from q and k already scaled by 1 / s and
-    the 2S relative embeddings projected to keys (pos_key) and queries (pos_query), either None."""
+    """c2p + p2c as (B, H, L, L), -inf where not visible, from q, k and the 2S relative embeddings
+    projected to keys (pos_key) and queries (pos_query), either None, scaled by 1 / s."""
     rel = relative_pos.reshape(relative_pos.shape[-2:]).to(device=q.device, dtype=torch.long)   # (L, L)
     c2p = p2c = c2p_index = p2c_index = None
     if pos_key is not None:
@@ -167,7 +171,6 @@ def _one_rel_pos(relative_pos) -> bool:
 def convert_disentangled_attention(m: nn.Module, swap) -> Optional[str]:
     """Swap a DisentangledSelfAttention (DeBERTa-v2 / v3, SEW-D; DeBERTa v1) for its mixin, or
     say why not."""
-    import sys
     module = sys.modules.get(type(m).__module__)
     if isinstance(getattr(m, "query_proj", None), nn.Linear):
         build = getattr(module, "build_relative_position", None)
