@@ -158,3 +158,9 @@ def test_bad_input_is_named():
         rb_ops.RELATIVE_BIAS((c2p, p2c), o)
     with pytest.raises(ValueError, match="`p2c` must have Lk = 5"):
         relative_bias(None, p2c[:, :, :3].contiguous(), None, pi)
+    wide = torch.zeros(1, 1, 1, 1 << 24, dtype=torch.bfloat16)  # 32 MB: past the kernels' int32 offsets
+    one = torch.zeros(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"W \(the last dim of c2p / p2c\) must be below 2\^24, got 16777216"):
+        relative_bias(wide, None, one)
+    with pytest.raises(RuntimeError, match=r"W .* must be below 2\^24"):  # the C++ check, for traced calls
+        rb_ops.RELATIVE_BIAS((wide, None), rb_ops.RelativeBiasOptions(c2p_index=one))

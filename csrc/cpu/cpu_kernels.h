@@ -127,6 +127,8 @@ struct AttnArgs {
   // backward outputs of the differentiable options (accumulation type; null: not needed)
   void* dmask = nullptr;             // d attn_mask, zeroed by the caller, the mask's own shape as
   int64_t dmask_s[4] = {0, 0, 0, 0}; //   (B, H, Lq, Lk) strides with 0 on broadcast dims (summed)
+  bool dmask_in_dtype = false;       // dmask holds the inputs' dtype and broadcasts over no dim:
+                                     //   each entry is written once (rounded once), not added to
   void* dsinks = nullptr;            // (B, H): the sink gradient per batch row and head
   void* drel = nullptr;              // d rel_bias, rel_bias's layout
   // forward outputs / backward inputs
@@ -159,8 +161,8 @@ struct RelativeBiasArgs {
   int64_t Bv = 1;                    // visible's batch: 1 (shared) or B
   const void* c2p = nullptr;         // (B, H, Lq, W), or null (no content -> position term)
   const void* p2c = nullptr;         // (B, H, Lk, W), or null (no position -> content term)
-  const int64_t* c2p_index = nullptr;  // (Lq, Lk), values in [0, W)
-  const int64_t* p2c_index = nullptr;  // (Lq, Lk): key j's row of p2c at column p2c_index[i, j]
+  const int32_t* c2p_index = nullptr;  // (Lq, Lk), values in [0, W)
+  const int32_t* p2c_index = nullptr;  // (Lq, Lk): key j's row of p2c at column p2c_index[i, j]
   const bool* visible = nullptr;     // (Bv, Lq, Lk), true = attend; null: all
   void* out = nullptr;               // forward: (B, H, Lq, Lk)
   const void* dout = nullptr;        // backward: (B, H, Lq, Lk)

@@ -111,6 +111,8 @@ def relative_bias(c2p: Optional[Tensor], p2c: Optional[Tensor], c2p_index: Optio
     like = c2p if c2p is not None else p2c
     _checks.tensor(fn, "c2p" if c2p is not None else "p2c", like, dims=(4,), dtypes=_checks.FLOAT_DTYPES)
     B, H, _, W = like.shape
+    if W >= 1 << 24:  # the cpu kernels' gathers take 32-bit offsets
+        raise ValueError(f"{fn}: W (the last dim of c2p / p2c) must be below 2^24, got {W}")
     for name, t, index in (("c2p", c2p, c2p_index), ("p2c", p2c, p2c_index)):
         if t is None:
             continue

@@ -189,10 +189,15 @@ inline std::vector<Tensor> attention_bwd(const Tensor& dout_in, const Tensor& q_
   const Tensor* mask = present(o.attn_mask);
   if (need_dmask && mask && mask->scalar_type() != at::kBool) {
     // Accumulated in the mask's own shape (left-padded to 4-D): stride 0 on the dims it
-    // broadcasts, so that (B, H, Lq, Lk) indices add into it.
+    // broadcasts, so that (B, H, Lq, Lk) indices add into it. A mask of the inputs' dtype that
+    // broadcasts over no dim (a per-head bias, as DeBERTa's) gets one write per entry: it is
+    // written in its dtype, without the fp32 buffer (twice the bytes to zero) and its
+    // conversion ((4, 12, 512, 512) bf16, 2 Zen 5 cores: 9 ms zeroing, 3.5 ms converting).
     std::vector<int64_t> shape4(4 - mask->dim(), 1);
     for (int64_t s : mask->sizes()) shape4.push_back(s);
-    dmask = at::zeros(shape4, acc);
+    a.dmask_in_dtype = mask->scalar_type() == q.scalar_type() &&
+                       shape4 == std::vector<int64_t>{a.B, a.H, a.Lq, a.Lk};
+    dmask = at::zeros(shape4, a.dmask_in_dtype ? q.options() : acc);
     for (int d = 0; d < 4; ++d) a.dmask_s[d] = shape4[d] == 1 ? 0 : dmask.stride(d);
     a.dmask = dmask.data_ptr();
   }

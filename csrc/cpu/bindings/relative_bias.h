@@ -8,8 +8,10 @@ namespace cpu_bindings {
 // The argument struct of one call; the tensors' shapes were validated in Python
 // (fastformer/ops/relative_bias.py), rechecked here as the kernels' preconditions. The backward
 // passes stand-ins of c2p / p2c (their shape and dtype; `read` false): their data is not read.
+// The kernels read the index tables as int32 (their vector gathers take 32-bit indices): the
+// copies made here (2 x Lq x Lk values, once per call) live in `tables` for the call.
 inline cpu::RelativeBiasArgs relative_bias_args(const Tensor* c2p, const Tensor* p2c, int64_t Lq,
-                                                const RelativeBiasOptions& o, bool read) {
+                                                const RelativeBiasOptions& o, bool read, Tensor (&tables)[2]) {
   const Tensor* any = c2p ? c2p : p2c;
   TORCH_CHECK(any != nullptr, "fastformer._C.relative_bias: c2p or p2c is needed");
   check_cpu(*any, "relative_bias");
@@ -19,6 +21,8 @@ inline cpu::RelativeBiasArgs relative_bias_args(const Tensor* c2p, const Tensor*
   cpu::RelativeBiasArgs a;
   a.dtype = to_dtype(*any);
   a.B = any->size(0); a.H = any->size(1); a.W = any->size(3); a.Lq = Lq;
+  TORCH_CHECK(a.W < (int64_t{1} << 24), "fastformer._C.relative_bias: W (c2p / p2c's last dim) must be "
+              "below 2^24 (the kernels' 32-bit gather offsets), got ", a.W);
   a.Lk = ci ? ci->size(1) : pi->size(1);
   for (const Tensor* t : {c2p, p2c}) {
     TORCH_CHECK(!t || (t->dim() == 4 && (!read || t->is_contiguous()) && t->scalar_type() == any->scalar_type() &&
@@ -46,8 +50,10 @@ inline cpu::RelativeBiasArgs relative_bias_args(const Tensor* c2p, const Tensor*
   a.Bv = vis ? vis->size(0) : 1;
   a.c2p = c2p && read ? c2p->data_ptr() : nullptr;
   a.p2c = p2c && read ? p2c->data_ptr() : nullptr;
-  a.c2p_index = c2p ? ci->data_ptr<int64_t>() : nullptr;
-  a.p2c_index = p2c ? pi->data_ptr<int64_t>() : nullptr;
+  if (c2p) tables[0] = ci->to(at::kInt);
+  if (p2c) tables[1] = pi->to(at::kInt);
+  a.c2p_index = c2p ? tables[0].data_ptr<int32_t>() : nullptr;
+  a.p2c_index = p2c ? tables[1].data_ptr<int32_t>() : nullptr;
   a.visible = vis ? vis->data_ptr<bool>() : nullptr;
   return a;
 }
@@ -57,7 +63,8 @@ inline Tensor relative_bias_fwd(const optional<Tensor>& c2p, const optional<Tens
   const Tensor* ci = present(o.c2p_index);
   const Tensor* pi = present(o.p2c_index);
   const int64_t Lq = ci ? ci->size(0) : (pi ? pi->size(0) : 0);
-  cpu::RelativeBiasArgs a = relative_bias_args(present(c2p), present(p2c), Lq, o, true);
+  Tensor tables[2];
+  cpu::RelativeBiasArgs a = relative_bias_args(present(c2p), present(p2c), Lq, o, true, tables);
   const Tensor& like = present(c2p) ? *c2p : *p2c;
   Tensor out = at::empty({a.B, a.H, a.Lq, a.Lk}, like.options().memory_format(at::MemoryFormat::Contiguous));
   a.out = out.data_ptr();
@@ -77,7 +84,8 @@ inline std::tuple<optional<Tensor>, optional<Tensor>> relative_bias_bwd(
               "fastformer._C.relative_bias_bwd: dout must be contiguous (B, H, Lq, Lk)");
   optional<Tensor> dc2p, dp2c;
   if (!present(c2p) && !present(p2c)) return {dc2p, dp2c};
-  cpu::RelativeBiasArgs a = relative_bias_args(present(c2p), present(p2c), dout.size(2), o, false);
+  Tensor tables[2];
+  cpu::RelativeBiasArgs a = relative_bias_args(present(c2p), present(p2c), dout.size(2), o, false, tables);
   TORCH_CHECK(dout.scalar_type() == to_scalar_type(a.dtype) && dout.size(0) == a.B &&
                   dout.size(1) == a.H && dout.size(3) == a.Lk,
               "fastformer._C.relative_bias_bwd: dout must be the forward output's shape and dtype");
