@@ -125,6 +125,13 @@ def _configs():
                                                 relative_attention=True, pos_att_type=["c2p", "p2c"],
                                                 max_relative_positions=-1, max_position_embeddings=512,
                                                 type_vocab_size=0), 4, 512),
+        # all-mpnet-base-v2's form (sentence-transformers' most used embedding model): its attention
+        # in its own code with a T5-style relative-position bias (no sdpa path: "sdpa" is its own
+        # attention); ff.convert: ff.attention with the bias table inside the kernels
+        "MPNet-base-style (all-mpnet-base-v2) 12x768": (t.MPNetConfig, t.MPNetModel,
+                                                        dict(vocab_size=30527, hidden_size=768, num_hidden_layers=12,
+                                                             num_attention_heads=12, intermediate_size=3072,
+                                                             max_position_embeddings=514), 8, 128),
         "GPT-2 small 12x768": (t.GPT2Config, t.GPT2LMHeadModel, dict(n_embd=768, n_layer=12, n_head=12,
                                 n_positions=1024), 2, 512),
         "T5-small 6+6x512": (t.T5Config, t.T5Model, dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6,

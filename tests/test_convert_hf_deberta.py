@@ -11,7 +11,9 @@ import copy
 
 import pytest
 import torch
-from oracle import GRAD_FACTOR, LOWP_ATOL, OUT_FACTOR, assert_lowp_rule, assert_model_matches
+from hf_encoder_checks import (assert_bf16_error_ratio, assert_classifier_loss_and_training_dropout, encoder_inputs,
+                               run_with_grads, spy_attention, assert_output_attentions_match)
+from oracle import assert_model_matches
 
 transformers = pytest.importorskip("transformers", reason="needs transformers")
 
@@ -39,28 +41,11 @@ def _model(form="v3", heads=4, cls=None, seed=0):
     return (cls or transformers.DebertaV2Model)(transformers.DebertaV2Config(**kw)).eval()
 
 
-def _inputs(L=23):
-    ids = torch.randint(2, 90, (2, L), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones(2, L, dtype=torch.long)
-    mask[1, L - 6:] = 0  # row 1 right-padded by 6
-    return dict(input_ids=ids, attention_mask=mask)
-
-
-def _run(model, inputs):
-    """(hidden states at every position, {name: gradient}) for a fixed random seed of the
-    output's gradient."""
-    out = model(**inputs).last_hidden_state
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
-    grads = torch.autograd.grad((out.double() * g).sum(), params, allow_unused=True)
-    return out.detach(), dict(zip(names, grads))
+_inputs, _run = encoder_inputs, run_with_grads
 
 
 def _spy(monkeypatch):
-    calls = []
-    kernel = hf_deberta.attention
-    monkeypatch.setattr(hf_deberta, "attention", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
-    return calls
+    return spy_attention(monkeypatch, hf_deberta)
 
 
 @pytest.mark.parametrize("form", list(FORMS))
@@ -83,45 +68,16 @@ def test_deberta_v2_attention_on_the_kernels_matches_fp64(form, heads, monkeypat
 
 @pytest.mark.parametrize("version", ["v2", "v1"])
 def test_deberta_bf16_error_ratio(version):
-    model = _model() if version == "v2" else _v1_model()
-    ours = ff.convert(copy.deepcopy(model).to(torch.bfloat16)).model
-    out, grads = _run(ours, _inputs())
-    low, low_grads = _run(copy.deepcopy(model).to(torch.bfloat16), _inputs())
-    ref, ref_grads = _run(copy.deepcopy(model).double(), _inputs())
-    atol = LOWP_ATOL[torch.bfloat16]
-    assert_lowp_rule("out", out, ref, low, OUT_FACTOR, atol * ref.abs().max().item())
-    for n, r in ref_grads.items():
-        if r is not None:
-            assert_lowp_rule(f"d{n}", grads[n], r, low_grads[n], GRAD_FACTOR, atol * r.abs().max().item())
+    assert_bf16_error_ratio(_model() if version == "v2" else _v1_model(), _inputs())
 
 
 def test_deberta_v2_classifier_loss_and_training_dropout():
-    model = _model(cls=transformers.DebertaV2ForSequenceClassification)
-    ours = ff.convert(model, inplace=False).model
-    labels = torch.tensor([0, 2])
-    want = model(**_inputs(), labels=labels).loss
-    got = ours(**_inputs(), labels=labels).loss
-    assert (got - want).abs() <= 1e-5 * want.abs()
-    # attention dropout in training: the kernels' dropout, a finite loss and gradients
-    ours.config.attention_probs_dropout_prob = 0.1
-    for m in ours.modules():
-        if type(m).__name__ == "DisentangledSelfAttention":
-            m.dropout.p = 0.1
-    ours.train()
-    loss = ours(**_inputs(), labels=labels).loss
-    loss.backward()
-    assert loss.isfinite() and all(p.grad.isfinite().all() for p in ours.parameters() if p.grad is not None)
+    assert_classifier_loss_and_training_dropout(_model(cls=transformers.DebertaV2ForSequenceClassification),
+                                                "DisentangledSelfAttention")
 
 
 def test_deberta_v2_output_attentions_runs_the_original():
-    model = _model()
-    ours = ff.convert(model, inplace=False).model
-    with torch.no_grad():
-        out = ours(**_inputs(), output_attentions=True)
-        ref = model(**_inputs(), output_attentions=True)
-    assert out.attentions is not None and len(out.attentions) == 2
-    torch.testing.assert_close(out.attentions[0], ref.attentions[0])
-    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=1e-5, rtol=1e-5)
+    assert_output_attentions_match(_model(), 2)
 
 
 def test_deberta_v2_converted_compiles():

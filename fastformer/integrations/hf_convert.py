@@ -52,6 +52,9 @@ GPT-Neo / XGLM attention    tensor; Falcon's rotary form on ``ff.apply_rotary`` 
 DeBERTa v1 / v2 / v3, SEW-D ``ff.attention`` with the two relative terms gathered into its bias
 attention                   in one pass (ops/relative_bias.py; integrations/hf_deberta.py);
                             v1's DebertaLayerNorm with its residual add as BERT's LayerNorm
+MPNet attention and layers  ``ff.attention`` with the encoder's relative-position table as an
+                            ``ff.RelativePositionBias`` (no (B, H, L, L) bias); the residual adds
+                            on ``ff.add_layer_norm``, the MLP on ``ff.ffn`` (hf_mpnet.py)
 nn.Embedding (every one)    ops/embedding.py: under torch.compile the backward is aten's
                             kernel (inductor's own scatter-add took 200 ms of a compiled bf16
                             Mistral-style training step, aten's ~30); eager calls unchanged
@@ -444,7 +447,7 @@ _CONVERTERS.update({
     "Conv1D": lambda m: (_swap(m, _Conv1DLinear) if type(m).__module__.startswith("transformers.")
                          else "not transformers' Conv1D"),
 })
-# attention modules in their model's own code (BLOOM, MPT, Falcon, GPT-Neo, XGLM, DeBERTa): hf_own_attention.py
+# attention modules in their model's own code (BLOOM, MPT, Falcon, GPT-Neo, XGLM, DeBERTa, MPNet): hf_own_attention.py
 _CONVERTERS.update({name: (lambda m, convert=convert: convert(m, _swap)) for name, convert in OWN_ATTENTION.items()})
 
 

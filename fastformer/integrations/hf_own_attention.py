@@ -2,7 +2,8 @@
 attention interface (``attn_implementation`` never reaches them): BLOOM's and MPT's, their ALiBi
 inside the attention kernels (``alibi_slopes``); Falcon's (its ALiBi as the model's own bias mask,
 its rotary forms); GPT-Neo's (unscaled scores, local layers as a window); XGLM's (BART's attention
-written out); DeBERTa's (hf_deberta.py).
+written out); DeBERTa's (hf_deberta.py); MPNet's, its relative-position bias in the kernels
+(hf_mpnet.py).
 
 transformers' ``BloomAttention`` has no attention interface: it forms the (B * H, Lq, Lk)
 scores with ``alibi.baddbmm(q, k^T)`` in the model's dtype, adds the 4-D mask, takes an fp32
@@ -72,6 +73,7 @@ from torch import nn
 
 from ..ops.attention import attention
 from .hf_deberta import convert_disentangled_attention
+from .hf_mpnet import convert_mpnet_attention, convert_mpnet_encoder, convert_mpnet_layer
 from .hf_rotary import fused_rotary
 
 
@@ -295,10 +297,14 @@ def convert_xglm_attention(m: nn.Module, swap) -> Optional[str]:
     return None
 
 
-# The attention classes converted here, by class name: converter(module, swap) -> why not, or None.
+# The attention classes converted here (and MPNet's modules around its attention), by class name:
+# converter(module, swap) -> why not, or None.
 OWN_ATTENTION = {"BloomAttention": convert_bloom_attention, "MptAttention": convert_mpt_attention,
                  "FalconAttention": convert_falcon_attention, "GPTNeoSelfAttention": convert_gpt_neo_attention,
                  "XGLMAttention": convert_xglm_attention,
-                 "DisentangledSelfAttention": convert_disentangled_attention}  # DeBERTa: hf_deberta.py
+                 "DisentangledSelfAttention": convert_disentangled_attention,  # DeBERTa: hf_deberta.py
+                 # MPNet: its attention, and the encoder and layer around it (hf_mpnet.py)
+                 "MPNetAttention": convert_mpnet_attention, "MPNetEncoder": convert_mpnet_encoder,
+                 "MPNetLayer": convert_mpnet_layer}
 
 __all__ = ["OWN_ATTENTION", "convert_mpt_block"]
