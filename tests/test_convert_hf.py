@@ -335,3 +335,30 @@ def test_t5_generate_with_cache_matches_unconverted():
     assert torch.equal(got.sequences, want.sequences)
     for a, b in zip(got.scores, want.scores):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["markuplm", "longt5", "switch_transformers", "pegasus_x"])
+def test_eager_only_families_that_call_the_interface_take_our_attention(family, monkeypatch):
+    """Families transformers runs as eager only (no sdpa flag) whose attention calls the attention
+    interface get attn_implementation="fastformer": our function runs, and padded batches give the
+    unconverted eager model's outputs (encoder-decoders: through the decoder's cross-attention)."""
+    from test_hf_sweep import small_model
+
+    from fastformer.integrations import transformers as ff_hf
+    model = small_model(family, transformers.AutoModel)
+    report = ff.convert(model, inplace=False)
+    assert any("attn_implementation='fastformer'" in r[2] for r in report.replaced), str(report)
+    calls = []
+    kernel = ff_hf.attention_forward
+    monkeypatch.setitem(transformers.AttentionInterface._global_mapping, ff_hf.NAME,
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    ids = torch.randint(2, 90, (2, 13), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 13, dtype=torch.long)
+    mask[1, 9:] = 0
+    kw = dict(input_ids=ids, attention_mask=mask)
+    if model.config.is_encoder_decoder:
+        kw["decoder_input_ids"] = ids[:, :7]
+    with torch.no_grad():
+        want, got = model(**kw)[0], report.model(**kw)[0]
+    assert calls, "the fastformer attention function was not called"
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()

@@ -537,14 +537,24 @@ def _key(m: nn.Module) -> str:
     return name
 
 
+# Families transformers runs as eager only (no sdpa or attention-backend flag) whose attention
+# calls the attention interface with the mask eager builds: our attention function takes them
+# (each checked against eager by tests/test_hf_sweep_models.py; Splinter was not: 2.5e-2 off
+# without an attention mask).
+_EAGER_ONLY_INTERFACE = frozenset({"markuplm", "longt5", "switch_transformers", "nllb-moe",
+                                   "pegasus_x", "speech_to_text"})
+
+
 def convert_transformers(model: nn.Module, replaced: list, left: list, loss: bool = True) -> None:
     """Swap the modules of a transformers model listed above (in place); append
     (path, type, what) to ``replaced`` and (path, type, reason) to ``left``."""
     from . import transformers as ff_hf
     ff_hf.register()
-    # Our attention function stands in for sdpa: a model transformers runs only as eager (GIT,
-    # whose text attention adds the mask built for config._attn_implementation itself) keeps it.
-    takes_sdpa = bool(getattr(model, "_supports_sdpa", False) or getattr(model, "_supports_attention_backend", False))
+    # Our attention function stands in for sdpa: a model transformers runs only as eager keeps it
+    # (GIT's text attention adds the mask built for config._attn_implementation itself: 0.08 of
+    # its largest output off), but for the families in _EAGER_ONLY_INTERFACE.
+    takes_sdpa = bool(getattr(model, "_supports_sdpa", False) or getattr(model, "_supports_attention_backend", False)
+                      or getattr(getattr(model, "config", None), "model_type", None) in _EAGER_ONLY_INTERFACE)
     interface = any(calls_attention_interface(type(m)) for m in model.modules())
     if takes_sdpa and interface:
         model.set_attn_implementation(ff_hf.NAME)
