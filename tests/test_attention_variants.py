@@ -178,7 +178,7 @@ MASK_SHAPES = {"full": lambda B, H, Lq, Lk: (B, H, Lq, Lk), "batch": lambda B, H
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", list(MASK_SHAPES))
-@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=str)
 def test_learned_float_mask_gradient(backend, shape, dtype):
     B, H, Hkv, Lq, Lk = 2, 4, 2, 113, 203
     q, k, v, go = _inputs(B, H, Hkv, Lq, Lk, 40, dtype)
