@@ -451,13 +451,9 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t, Bf16Gemm kind) {
           // are added to the capped score.
           if (a.dmask) {
             const int64_t at = b * a.dmask_s[0] + h * a.dmask_s[1] + qi * a.dmask_s[2] + k0 * a.dmask_s[3];
-            if (a.dmask_in_dtype) {  // this row's entries get no other contribution
-              T* dm = static_cast<T*>(a.dmask) + at;
-              if (a.dmask_s[3] == 1) {
-                for (int64_t j = 0; j < n_keys; j += kV) store_acc(dm + j, V::loadu(ds + j), std::min(kV, n_keys - j));
-              } else {
-                for (int64_t j = 0; j < n_keys; ++j) dm[j * a.dmask_s[3]] = static_cast<T>(ds[j]);
-              }
+            if (a.dmask_in_dtype) {  // this row's entries get no other contribution; they are
+              T* dm = static_cast<T*>(a.dmask) + at;  // contiguous (or one key: Lk = 1)
+              for (int64_t j = 0; j < n_keys; j += kV) store_acc(dm + j, V::loadu(ds + j), std::min(kV, n_keys - j));
             } else {
               A* dm = static_cast<A*>(a.dmask) + at;
               for (int64_t j = 0; j < n_keys; ++j) dm[j * a.dmask_s[3]] += ds[j];

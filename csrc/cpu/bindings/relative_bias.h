@@ -9,7 +9,7 @@ namespace cpu_bindings {
 // (fastformer/ops/relative_bias.py), rechecked here as the kernels' preconditions. The backward
 // passes stand-ins of c2p / p2c (their shape and dtype; `read` false): their data is not read.
 // The kernels read the index tables as int32 (their vector gathers take 32-bit indices): the
-// copies made here (2 x Lq x Lk values, once per call) live in `tables` for the call.
+// copies made here (once per call, with the range check) live in `tables` for the call.
 inline cpu::RelativeBiasArgs relative_bias_args(const Tensor* c2p, const Tensor* p2c, int64_t Lq,
                                                 const RelativeBiasOptions& o, bool read, Tensor (&tables)[2]) {
   const Tensor* any = c2p ? c2p : p2c;
@@ -40,18 +40,24 @@ inline cpu::RelativeBiasArgs relative_bias_args(const Tensor* c2p, const Tensor*
                        (vis->size(0) == 1 || vis->size(0) == a.B) && vis->size(1) == Lq &&
                        vis->size(2) == a.Lk),
               "fastformer._C.relative_bias: visible must be a contiguous bool (1 or B, Lq, Lk)");
-  for (const Tensor* t : {c2p ? ci : nullptr, p2c ? pi : nullptr}) {
-    if (!t) continue;  // the kernels index with the tables: out of range would read or write past W
-    const int64_t* v = t->data_ptr<int64_t>();
+  // The int32 copies, range-checked in the same pass: the kernels index with the tables, and a
+  // value out of [0, W) would read or write past a row.
+  const Tensor* used[2] = {c2p ? ci : nullptr, p2c ? pi : nullptr};
+  for (int k = 0; k < 2; ++k) {
+    if (!used[k]) continue;
+    const int64_t* v = used[k]->data_ptr<int64_t>();
+    tables[k] = at::empty(used[k]->sizes(), used[k]->options().dtype(at::kInt));
+    int32_t* narrow = tables[k].data_ptr<int32_t>();
     bool in_range = true;
-    for (int64_t e = 0; e < t->numel(); ++e) in_range &= v[e] >= 0 && v[e] < a.W;
+    for (int64_t e = 0; e < used[k]->numel(); ++e) {
+      in_range &= v[e] >= 0 && v[e] < a.W;
+      narrow[e] = static_cast<int32_t>(v[e]);
+    }
     TORCH_CHECK(in_range, "fastformer._C.relative_bias: index tables must hold values in [0, W = ", a.W, ")");
   }
   a.Bv = vis ? vis->size(0) : 1;
   a.c2p = c2p && read ? c2p->data_ptr() : nullptr;
   a.p2c = p2c && read ? p2c->data_ptr() : nullptr;
-  if (c2p) tables[0] = ci->to(at::kInt);
-  if (p2c) tables[1] = pi->to(at::kInt);
   a.c2p_index = c2p ? tables[0].data_ptr<int32_t>() : nullptr;
   a.p2c_index = p2c ? tables[1].data_ptr<int32_t>() : nullptr;
   a.visible = vis ? vis->data_ptr<bool>() : nullptr;
