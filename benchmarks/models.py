@@ -132,6 +132,11 @@ def _configs():
                                                         dict(vocab_size=30527, hidden_size=768, num_hidden_layers=12,
                                                              num_attention_heads=12, intermediate_size=3072,
                                                              max_position_embeddings=514), 8, 128),
+        # BLIP-base's captioner (Salesforce/blip-image-captioning-base's form: a ViT-B/16 on 384 x
+        # 384 images, 577 positions; a 12-layer BERT decoder with cross-attention to them), both
+        # attentions in its own code (no sdpa path: "sdpa" is its own attention); ff.convert:
+        # ff.attention for the three; B images x L caption tokens
+        "BLIP-base captioner 12+12x768": (t.BlipConfig, t.BlipForConditionalGeneration, {}, 2, 32),
         "GPT-2 small 12x768": (t.GPT2Config, t.GPT2LMHeadModel, dict(n_embd=768, n_layer=12, n_head=12,
                                 n_positions=1024), 2, 512),
         "T5-small 6+6x512": (t.T5Config, t.T5Model, dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6,
@@ -205,6 +210,13 @@ def _inputs(model, B: int, L: int, device):
     kind = type(model).__name__
     if kind.startswith(("ViT", "Siglip")):
         return dict(pixel_values=torch.randn(B, 3, 224, 224, generator=g).to(device))
+    if kind.startswith("Blip"):
+        size = model.config.vision_config.image_size
+        ids = torch.randint(5, model.config.text_config.vocab_size, (B, L), generator=g).to(device)
+        mask = torch.ones(B, L, dtype=torch.long, device=device)
+        mask[1::2, L - L // 4:] = 0
+        return dict(pixel_values=torch.randn(B, 3, size, size, generator=g).to(device), input_ids=ids,
+                    attention_mask=mask)
     vocab = model.config.vocab_size
     if kind.startswith("Whisper"):  # L encoder positions from 2L mel frames, L / 8 decoder tokens
         features = torch.randn(B, model.config.num_mel_bins, 2 * L, generator=g).to(device, model.dtype)

@@ -96,6 +96,7 @@ from ..ops.ffn import ffn
 from ..ops.linear import linear
 from . import hf_moe
 from .hf_own_attention import OWN_ATTENTION, convert_mpt_block
+from .hf_written_out import WRITTEN_OUT_ATTENTION
 from .hf_lm_loss import CausalLMLoss as _CausalLMLoss
 from .hf_lm_loss import MoECausalLMLoss as _MoECausalLMLoss
 from .hf_lm_loss import decoder_of
@@ -447,8 +448,11 @@ _CONVERTERS.update({
     "Conv1D": lambda m: (_swap(m, _Conv1DLinear) if type(m).__module__.startswith("transformers.")
                          else "not transformers' Conv1D"),
 })
-# attention modules in their model's own code (BLOOM, MPT, Falcon, GPT-Neo, XGLM, DeBERTa, MPNet): hf_own_attention.py
-_CONVERTERS.update({name: (lambda m, convert=convert: convert(m, _swap)) for name, convert in OWN_ATTENTION.items()})
+# attention modules in their model's own code: BLOOM, MPT, Falcon, GPT-Neo, XGLM, DeBERTa, MPNet
+# (hf_own_attention.py); BERT's and ViT's written out (TAPAS, RemBERT, Megatron-BERT, VisualBERT,
+# FLAVA, BLIP: hf_written_out.py)
+_OWN_ATTENTION = {**OWN_ATTENTION, **WRITTEN_OUT_ATTENTION}
+_CONVERTERS.update({name: (lambda m, convert=convert: convert(m, _swap)) for name, convert in _OWN_ATTENTION.items()})
 
 
 
@@ -480,9 +484,17 @@ def _convert_bert_form_add_norm(m: nn.Module) -> Optional[str]:
     return None
 
 
+# The layers around the written-out BERT attention (hf_written_out.py: TAPAS, RemBERT, VisualBERT,
+# BLIP's text decoder): their forwards are not BertLayer's (cross-attention, their own outputs),
+# their feed-forward chunks are, converted where the chunk, intermediate and output are BERT's.
+_CONVERTERS.update({name: _convert_bert_form_layer for name in ("TapasLayer", "RemBertLayer", "VisualBertLayer",
+                                                                "BlipTextLayer")})
+
+
 @functools.lru_cache(maxsize=None)
 def _forms() -> dict:
     from transformers.models.bert import modeling_bert as bert
+    from transformers.models.blip import modeling_blip as blip
     from transformers.models.gemma import modeling_gemma
     from transformers.models.gemma2 import modeling_gemma2
     from transformers.models.llama import modeling_llama as llama
@@ -492,6 +504,7 @@ def _forms() -> dict:
     return {
         **seq2seq_forms(class_form, _swap),
         class_form(siglip.SiglipEncoderLayer): lambda m: _swap(m, _PreNormEncoderLayer),
+        class_form(blip.BlipEncoderLayer): lambda m: _swap(m, _PreNormEncoderLayer),
         class_form(bert.BertSelfOutput): _convert_bert_form_add_norm,
         class_form(bert.BertOutput): _convert_bert_form_add_norm,
         class_form(bert.BertLayer): _convert_bert_form_layer,
@@ -560,7 +573,7 @@ def convert_transformers(model: nn.Module, replaced: list, left: list, loss: boo
         model.set_attn_implementation(ff_hf.NAME)
         replaced.append(("", type(model).__name__, f"attention: attn_implementation={ff_hf.NAME!r}"))
     elif not interface:
-        own = [m for m in model.modules() if type(m).__name__ in OWN_ATTENTION]
+        own = [m for m in model.modules() if type(m).__name__ in _OWN_ATTENTION]
         left.append(("", type(model).__name__, "its attention modules do not call transformers' attention "
                      "interface (their own code or torch's SDPA): attn_implementation left as it was"
                      + ("; the ones listed as replaced run on ff.attention" if own else "")))

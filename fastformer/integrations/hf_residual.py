@@ -118,14 +118,15 @@ class SandwichDecoderLayer:
 
 class PreNormEncoderLayer:
     """CLIP's and SigLIP's encoder layer (and the vision towers written from it: Idefics 2/3,
-    SmolVLM, OWL-ViT, GIT, Janus, ...): layer_norm2's residual add fused. The stream it returns
+    SmolVLM, OWL-ViT, GIT, Janus, ...; BLIP's, whose attention takes no mask and ignores the
+    keyword): layer_norm2's residual add fused. The stream it returns
     is written contiguous: SigLIP's starts channels-strided (its patch embedding's conv output
     transposed), a layout every eager residual add after it keeps."""
     _ff_what = "residual add fused into layer_norm2"
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):
         if kwargs.get("output_attentions"):
-            return super().forward(hidden_states, attention_mask, **kwargs)
+            return super().forward(hidden_states, attention_mask=attention_mask, **kwargs)
         residual = hidden_states
         h, _ = self.self_attn(hidden_states=self.layer_norm1(hidden_states), attention_mask=attention_mask, **kwargs)
         h, residual = add_norm(self.layer_norm2, h, residual)

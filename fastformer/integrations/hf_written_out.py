@@ -1,0 +1,178 @@
+"""ff.convert for BERT's and ViT's attention written out in a family's own code: TAPAS, RemBERT,
+Megatron-BERT, VisualBERT, FLAVA and BLIP (its text encoder / decoder and its vision encoder).
+
+These families copy BERT's self-attention from before transformers' attention interface and
+were never moved onto it, so ``attn_implementation`` does not reach them: each layer forms the
+(B, H, Lq, Lk) scores with ``q k^T / sqrt(d)``, adds the model's additive mask (BERT's
+(B, 1, 1, Lk) key padding, or the decoder's (B, 1, Lq, Lk) causal + padding mask the model
+built), takes an eager softmax into another (B, H, Lq, Lk) tensor, drops it out and multiplies
+by V. Converted, the same projections feed ``ff.attention(q, k, v, attn_mask=that mask,
+dropout_p=the module's p in training, scale=1 / sqrt(d))``: no score tensor, and the backward on
+the kernels. The decoders (TAPAS, RemBERT, Megatron-BERT with ``is_decoder``; BLIP's text
+decoder, which captions with ``generate``) keep the original's cache handling as it is written:
+the self-attention's keys appended to the cache, the cross-attention's computed from the encoder
+states once and read back after.
+
+BLIP's vision attention (``BlipAttention``) is ViT's: one fused qkv projection, no mask:
+``ff.attention(q, k, v, dropout_p, scale=head_dim ** -0.5)``.
+
+What each returns is the original's: RemBERT, Megatron-BERT and BLIP (context, probabilities)
+on every call (the converted forward returns (context, None): the layers read the probabilities
+only when they are asked for); TAPAS, VisualBERT and FLAVA (context,), with the cache after it in
+a TAPAS decoder. The original forward runs when the probabilities are wanted
+(``output_attentions``, or transformers' output recorder collecting them: BLIP) and for
+activations in another dtype than the weights.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+from ..ops.attention import attention
+from .hf_own_attention import _weights_wanted
+
+
+def _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs):
+    """(k, v) as (B, H, Lk, D), through the cache as the original's forward handles it."""
+    cross = encoder_hidden_states is not None
+    current = encoder_hidden_states if cross else hidden_states
+    layer_cache, updated = cache, False
+    if cache is not None and hasattr(cache, "self_attention_cache"):  # EncoderDecoderCache
+        updated = bool(cache.is_updated.get(module.layer_idx))
+        layer_cache = cache.cross_attention_cache if cross else cache.self_attention_cache
+    if cross and cache is not None and updated:
+        layer = layer_cache.layers[module.layer_idx]
+        return layer.keys, layer.values
+    shape = (*current.shape[:-1], -1, module.attention_head_size)
+    k = module.key(current).view(shape).transpose(1, 2)
+    v = module.value(current).view(shape).transpose(1, 2)
+    if cache is not None:
+        k, v = layer_cache.update(k, v, module.layer_idx, kwargs=kwargs)
+        if cross and hasattr(cache, "self_attention_cache"):
+            cache.is_updated[module.layer_idx] = True
+    return k, v
+
+
+def _context(module, hidden_states, attention_mask, encoder_hidden_states=None, cache=None, kwargs=None):
+    """BERT's self-attention context (B, Lq, H * D) on ff.attention."""
+    q = module.query(hidden_states).view(*hidden_states.shape[:-1], -1, module.attention_head_size).transpose(1, 2)
+    k, v = _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs or {})
+    if attention_mask is not None and attention_mask.dtype not in (torch.bool, q.dtype):
+        attention_mask = attention_mask.to(q.dtype)
+    p = module.dropout.p if module.training else 0.0
+    context = attention(q, k, v, attn_mask=attention_mask, dropout_p=p,
+                        scale=1.0 / math.sqrt(module.attention_head_size))
+    return context.transpose(1, 2).reshape(*hidden_states.shape[:-1], module.all_head_size)
+
+
+def _runs_original(module, hidden_states, kwargs, output_attentions=False) -> bool:
+    return bool(output_attentions) or _weights_wanted(kwargs) or hidden_states.dtype != module.query.weight.dtype
+
+
+class BertPairSelfAttentionMixin:
+    """RemBERT's and Megatron-BERT's self-attention: (context, probabilities) on every call."""
+    _ff_what = "ff.attention (the model's mask; no (B, H, Lq, Lk) scores)"
+
+    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, cache=None,
+                output_attentions=False, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)
+        if _runs_original(self, hidden_states, kwargs, output_attentions):
+            return super().forward(hidden_states, attention_mask, encoder_hidden_states, cache,
+                                   output_attentions, **kwargs)
+        return self._ff_result(_context(self, hidden_states, attention_mask, encoder_hidden_states, cache, kwargs),
+                               cache)
+
+    def _ff_result(self, context, cache):
+        return context, None
+
+
+class BertTupleSelfAttentionMixin(BertPairSelfAttentionMixin):
+    """TAPAS's self-attention: (context,), then the cache in a decoder."""
+
+    def _ff_result(self, context, cache):
+        return (context, cache) if self.is_decoder else (context,)
+
+
+class BertEncoderSelfAttentionMixin:
+    """VisualBERT's and FLAVA's self-attention (no cross-attention, no cache): (context,)."""
+    _ff_what = BertPairSelfAttentionMixin._ff_what
+
+    def forward(self, hidden_states, attention_mask=None, output_attentions=False):
+        if _runs_original(self, hidden_states, {}, output_attentions):
+            return super().forward(hidden_states, attention_mask, output_attentions)
+        return (_context(self, hidden_states, attention_mask),)
+
+
+class BlipTextSelfAttentionMixin:
+    """BLIP's text self- and cross-attention: (context, probabilities) on every call."""
+    _ff_what = BertPairSelfAttentionMixin._ff_what
+
+    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, cache=None, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)
+        if _runs_original(self, hidden_states, kwargs):
+            return super().forward(hidden_states, attention_mask, encoder_hidden_states,
+                                   encoder_attention_mask, cache, **kwargs)
+        mask = encoder_attention_mask if encoder_hidden_states is not None else attention_mask
+        return _context(self, hidden_states, mask, encoder_hidden_states, cache, kwargs), None
+
+
+class BlipVisionAttentionMixin:
+    _ff_what = "ff.attention (no (B, H, L, L) scores)"
+
+    def forward(self, hidden_states, **kwargs):
+        if _weights_wanted(kwargs) or hidden_states.dtype != self.qkv.weight.dtype:
+            return super().forward(hidden_states, **kwargs)
+        batch, length, width = hidden_states.shape
+        q, k, v = self.qkv(hidden_states).view(batch, length, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        p = self.dropout.p if self.training else 0.0
+        context = attention(q, k, v, dropout_p=p, scale=self.scale)
+        return self.projection(context.transpose(1, 2).reshape(batch, length, width)), None
+
+
+_BERT_FIELDS = ("query", "key", "value", "dropout", "attention_head_size", "all_head_size")
+
+
+def _bert_form(m: nn.Module, *fields: str) -> Optional[str]:
+    missing = [f for f in _BERT_FIELDS + fields if not hasattr(m, f)]
+    if missing:
+        return f"not BERT's written-out self-attention (no {', '.join(missing)})"
+    if not all(isinstance(getattr(m, f), nn.Linear) for f in _BERT_FIELDS[:3]) or not isinstance(m.dropout, nn.Dropout):
+        return "its query / key / value are not nn.Linear, or its dropout not nn.Dropout"
+    if m.query.out_features != m.all_head_size or m.all_head_size % m.attention_head_size:
+        return "its projections' widths are not heads x head size"
+    return None
+
+
+def _converter(mixin: type, *fields: str):
+    def convert(m: nn.Module, swap) -> Optional[str]:
+        why = _bert_form(m, *fields)
+        if why is None:
+            swap(m, mixin)
+        return why
+    return convert
+
+
+def convert_blip_vision_attention(m: nn.Module, swap) -> Optional[str]:
+    if not isinstance(getattr(m, "qkv", None), nn.Linear) or not isinstance(getattr(m, "dropout", None), nn.Dropout) \
+            or not isinstance(getattr(m, "scale", None), float):
+        return "not BLIP's vision attention form (a fused qkv linear, a float scale, nn.Dropout)"
+    swap(m, BlipVisionAttentionMixin)
+    return None
+
+
+# class name -> converter(module, swap) -> why not, or None (registered in hf_own_attention.OWN_ATTENTION)
+WRITTEN_OUT_ATTENTION = {
+    "RemBertSelfAttention": _converter(BertPairSelfAttentionMixin, "layer_idx"),
+    "MegatronBertSelfAttention": _converter(BertPairSelfAttentionMixin, "layer_idx"),
+    "TapasSelfAttention": _converter(BertTupleSelfAttentionMixin, "layer_idx", "is_decoder"),
+    "VisualBertSelfAttention": _converter(BertEncoderSelfAttentionMixin),
+    "FlavaSelfAttention": _converter(BertEncoderSelfAttentionMixin),
+    "BlipTextSelfAttention": _converter(BlipTextSelfAttentionMixin, "layer_idx"),
+    "BlipAttention": convert_blip_vision_attention,
+}
+
+__all__ = ["WRITTEN_OUT_ATTENTION"]

@@ -1,0 +1,163 @@
+"""BERT's and ViT's self-attention written out in a family's own code (TAPAS, RemBERT,
+Megatron-BERT, VisualBERT, FLAVA, BLIP: integrations/hf_written_out.py), converted onto
+ff.attention with the model's mask, against the unconverted model run in fp64: the hidden states
+at every position (one row right-padded) and every parameter's gradient, with 4 and 6 heads; bf16
+by the error-ratio rule; output_attentions (the original). The decoders: RemBERT's and
+Megatron-BERT's causal LMs and BLIP's captioner (vision encoder, text decoder with cross-
+attention) in logits and gradients, and greedy generation through the cache token for token."""
+import copy
+
+import pytest
+import torch
+from hf_encoder_checks import (assert_bf16_error_ratio, assert_output_attentions_match, encoder_inputs,
+                               run_with_grads, spy_attention)
+from oracle import assert_model_matches
+
+transformers = pytest.importorskip("transformers", reason="needs transformers")
+
+import fastformer as ff  # noqa: E402
+from fastformer.integrations import hf_written_out  # noqa: E402
+
+BERT = dict(vocab_size=97, num_hidden_layers=2, intermediate_size=48, max_position_embeddings=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+FAMILIES = {"tapas": ("TapasConfig", "TapasModel", "TapasSelfAttention", {}),
+            "rembert": ("RemBertConfig", "RemBertModel", "RemBertSelfAttention",
+                        dict(input_embedding_size=32, output_embedding_size=32)),
+            "megatron_bert": ("MegatronBertConfig", "MegatronBertModel", "MegatronBertSelfAttention", {}),
+            "visual_bert": ("VisualBertConfig", "VisualBertModel", "VisualBertSelfAttention", {}),
+            "flava_text": ("FlavaTextConfig", "FlavaTextModel", "FlavaSelfAttention", {})}
+# the layers whose feed-forward chunk is BERT's: ff.ffn + ff.add_layer_norm
+LAYERS = {"tapas": "TapasLayer", "rembert": "RemBertLayer", "visual_bert": "VisualBertLayer"}
+CAUSAL_LMS = {"rembert": ("RemBertConfig", "RemBertForCausalLM", dict(input_embedding_size=32, output_embedding_size=32)),
+              "megatron_bert": ("MegatronBertConfig", "MegatronBertForCausalLM", {})}
+
+
+def _sharpened(model):
+    """Weights of a larger spread: at the configs' init (std 0.02) every score is ~0 and the
+    softmax ~uniform, where the scale and the mask barely change the output."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+def _model(family, heads=4, seed=0):
+    config_name, model_name, _, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(hidden_size=16 * heads, num_attention_heads=heads, **BERT, **extra)
+    return _sharpened(getattr(transformers, model_name)(config))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("heads", [4, 6])
+def test_written_out_attention_on_the_kernels_matches_fp64(family, heads, monkeypatch):
+    calls = spy_attention(monkeypatch, hf_written_out)
+    model = _model(family, heads)
+    report = ff.convert(model, inplace=False)
+    converted = [r for r in report.replaced if r[1] == FAMILIES[family][2]]
+    assert len(converted) == 2 and "ff.attention" in converted[0][2], str(report)
+    if family in LAYERS:
+        assert [r[1] for r in report.replaced].count(LAYERS[family]) == 2, str(report)
+    out, grads = run_with_grads(report.model, encoder_inputs())
+    assert len(calls) == 2 and calls[0]["attn_mask"] is not None
+    ref, ref_grads = run_with_grads(copy.deepcopy(model).double(), encoder_inputs())
+    assert_model_matches(out, grads, ref, ref_grads)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_written_out_attention_bf16_error_ratio(family):
+    assert_bf16_error_ratio(_model(family), encoder_inputs(), sdpa_in=hf_written_out)
+
+
+@pytest.mark.parametrize("family", ["tapas", "rembert", "visual_bert"])
+def test_written_out_attention_output_attentions_runs_the_original(family):
+    assert_output_attentions_match(_model(family), 2)
+
+
+def _causal_lm(family):
+    config_name, model_name, extra = CAUSAL_LMS[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(hidden_size=64, num_attention_heads=4, is_decoder=True,
+                                                pad_token_id=0, **BERT, **extra)
+    return _sharpened(getattr(transformers, model_name)(config))
+
+
+def _logits_with_grads(model, inputs):
+    return run_with_grads(model, inputs, output=lambda out: out.logits)
+
+
+@pytest.mark.parametrize("family", list(CAUSAL_LMS))
+def test_written_out_causal_lm_matches_fp64_and_generates_alike(family, monkeypatch):
+    """The decoder's causal + padding mask from the model, through the kernels; then greedy
+    decoding (prefill, then one query row per step against the cached keys) token for token."""
+    model = _causal_lm(family)
+    ours = ff.convert(model, inplace=False).model
+    out, grads = _logits_with_grads(ours, encoder_inputs(17))
+    ref, ref_grads = _logits_with_grads(copy.deepcopy(model).double(), encoder_inputs(17))
+    assert_model_matches(out, grads, ref, ref_grads)
+    calls = spy_attention(monkeypatch, hf_written_out)
+    prompt = encoder_inputs(9)["input_ids"][:1]
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(prompt, **kw), model.generate(prompt, **kw))
+    assert len(calls) == 2 * 6  # 2 layers, the prefill and 5 cached steps
+
+
+def _blip(heads=4):
+    t = transformers
+    vision = t.BlipVisionConfig(hidden_size=16 * heads, intermediate_size=48, num_hidden_layers=2,
+                                num_attention_heads=heads, image_size=32, patch_size=8)
+    text = t.BlipTextConfig(vocab_size=97, hidden_size=16 * heads, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=heads, encoder_hidden_size=16 * heads, max_position_embeddings=64,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0,
+                            bos_token_id=1, sep_token_id=2)
+    torch.manual_seed(0)
+    return _sharpened(t.BlipForConditionalGeneration(t.BlipConfig(text_config=text.to_dict(),
+                                                                  vision_config=vision.to_dict())))
+
+
+def _blip_inputs(dtype=torch.float32):
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    return dict(encoder_inputs(11), pixel_values=pixels.to(dtype))
+
+
+@pytest.mark.parametrize("heads", [4, 6])
+def test_blip_captioner_on_the_kernels_matches_fp64(heads, monkeypatch):
+    calls = spy_attention(monkeypatch, hf_written_out)
+    model = _blip(heads)
+    report = ff.convert(model, inplace=False)
+    kinds = [r[1] for r in report.replaced]
+    assert kinds.count("BlipAttention") == 2 and kinds.count("BlipTextSelfAttention") == 4, str(report)
+    assert kinds.count("BlipEncoderLayer") == 2 and kinds.count("BlipTextLayer") == 2, str(report)
+    out, grads = _logits_with_grads(report.model, _blip_inputs())
+    assert len(calls) == 2 + 4  # vision layers; text self- and cross-attention
+    ref, ref_grads = _logits_with_grads(copy.deepcopy(model).double(), _blip_inputs(torch.float64))
+    assert_model_matches(out, grads, ref, ref_grads)
+
+
+def test_blip_captioner_bf16_error_ratio():
+    assert_bf16_error_ratio(_blip(), _blip_inputs, run=_logits_with_grads, sdpa_in=hf_written_out)
+
+
+def test_blip_caption_generates_alike_through_the_cache(monkeypatch):
+    """Captioning: the vision encoder, then the text decoder greedy from BOS, each step one query
+    row against the cached self-attention keys and the cross-attention keys computed once."""
+    model = _blip()
+    ours = ff.convert(model, inplace=False).model
+    calls = spy_attention(monkeypatch, hf_written_out)
+    pixels = _blip_inputs()["pixel_values"]
+    kw = dict(max_new_tokens=5, do_sample=False, min_new_tokens=5)
+    got = ours.generate(pixel_values=pixels, **kw)
+    assert torch.equal(got, model.generate(pixel_values=pixels, **kw))
+    assert len(calls) >= 2 + 4 * 4 and all(c.get("attn_mask") is None for c in calls[:2])
+
+
+def test_blip_vision_attentions_run_the_original():
+    model = _blip()
+    ours = ff.convert(model, inplace=False).model
+    with torch.no_grad():
+        got = ours.vision_model(_blip_inputs()["pixel_values"], output_attentions=True)
+        want = model.vision_model(_blip_inputs()["pixel_values"], output_attentions=True)
+    assert got.attentions is not None and len(got.attentions) == 2
+    for a, b in zip(got.attentions, want.attentions):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, atol=1e-5, rtol=1e-5)
