@@ -137,6 +137,16 @@ def _configs():
         # attentions in its own code (no sdpa path: "sdpa" is its own attention); ff.convert:
         # ff.attention for the three; B images x L caption tokens
         "BLIP-base captioner 12+12x768": (t.BlipConfig, t.BlipForConditionalGeneration, {}, 2, 32),
+        # TrOCR-base's form (microsoft/trocr-base-*): a ViT-B/16 encoder on 384 x 384 images and a
+        # 12-layer TrOCR decoder (d 1024) through VisionEncoderDecoderModel; the decoder's attention
+        # is in its own code (BART's written out), "sdpa" runs the encoder on torch's SDPA
+        "TrOCR-base-style 12+12 (ViT-B/16 + 12x1024 decoder)": (
+            t.VisionEncoderDecoderConfig, t.VisionEncoderDecoderModel,
+            dict(encoder=t.ViTConfig(image_size=384, patch_size=16, hidden_size=768, num_hidden_layers=12,
+                                     num_attention_heads=12, intermediate_size=3072).to_dict(),
+                 decoder=t.TrOCRConfig(vocab_size=50265, d_model=1024, decoder_layers=12, decoder_attention_heads=16,
+                                       decoder_ffn_dim=4096, cross_attention_hidden_size=768,
+                                       decoder_start_token_id=2, pad_token_id=1).to_dict()), 2, 32),
         "GPT-2 small 12x768": (t.GPT2Config, t.GPT2LMHeadModel, dict(n_embd=768, n_layer=12, n_head=12,
                                 n_positions=1024), 2, 512),
         "T5-small 6+6x512": (t.T5Config, t.T5Model, dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6,
@@ -205,18 +215,27 @@ def _base_model(c: dict):
     return model_cls(config_cls(**kw)), B, L, True
 
 
+def _image_and_text(B: int, L: int, size: int, vocab: int, g, device) -> dict:
+    """B square images and B x L token ids, every other row with its last L / 4 tokens padded."""
+    ids = torch.randint(5, vocab, (B, L), generator=g).to(device)
+    mask = torch.ones(B, L, dtype=torch.long, device=device)
+    mask[1::2, L - L // 4:] = 0
+    return dict(pixel_values=torch.randn(B, 3, size, size, generator=g).to(device), input_ids=ids,
+                attention_mask=mask)
+
+
 def _inputs(model, B: int, L: int, device):
     g = torch.Generator().manual_seed(0)
     kind = type(model).__name__
     if kind.startswith(("ViT", "Siglip")):
         return dict(pixel_values=torch.randn(B, 3, 224, 224, generator=g).to(device))
+    if kind == "VisionEncoderDecoderModel":  # TrOCR's form: the caption as the decoder's input
+        image = _image_and_text(B, L, model.config.encoder.image_size, model.config.decoder.vocab_size, g, device)
+        return dict(pixel_values=image["pixel_values"], decoder_input_ids=image["input_ids"],
+                    decoder_attention_mask=image["attention_mask"])
     if kind.startswith("Blip"):
-        size = model.config.vision_config.image_size
-        ids = torch.randint(5, model.config.text_config.vocab_size, (B, L), generator=g).to(device)
-        mask = torch.ones(B, L, dtype=torch.long, device=device)
-        mask[1::2, L - L // 4:] = 0
-        return dict(pixel_values=torch.randn(B, 3, size, size, generator=g).to(device), input_ids=ids,
-                    attention_mask=mask)
+        return _image_and_text(B, L, model.config.vision_config.image_size, model.config.text_config.vocab_size,
+                               g, device)
     vocab = model.config.vocab_size
     if kind.startswith("Whisper"):  # L encoder positions from 2L mel frames, L / 8 decoder tokens
         features = torch.randn(B, model.config.num_mel_bins, 2 * L, generator=g).to(device, model.dtype)

@@ -229,3 +229,34 @@ def test_decode_generate_candidates_are_what_their_names_say(monkeypatch):
     assert converted["ours"] and models["ours"].config._attn_implementation == "fastformer"
     assert converted.get("ours_prepack", True)
     assert fns["ours"]().shape == (2, 7)
+
+
+def test_decode_image_generate_candidates_are_what_their_names_say(monkeypatch):
+    """The image-to-text generate cases (small stand-ins of the models suite's BLIP and TrOCR
+    configs): sdpa is the model unconverted (TrOCR's ViT encoder on sdpa), ours converted, and
+    both caption alike."""
+    t = pytest.importorskip("transformers", reason="needs transformers")
+    from fastformer.benchmarks import decode, models
+    vit = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               intermediate_size=48)
+    small = {"blip": (t.BlipConfig, t.BlipForConditionalGeneration,
+                      dict(vision_config=vit, text_config=dict(vocab_size=97, hidden_size=32, num_hidden_layers=1,
+                                                               num_attention_heads=2, intermediate_size=48,
+                                                               encoder_hidden_size=32, pad_token_id=0,
+                                                               bos_token_id=1, sep_token_id=2)), 1, 1),
+             "trocr": (t.VisionEncoderDecoderConfig, t.VisionEncoderDecoderModel,
+                       dict(encoder=t.ViTConfig(**vit).to_dict(),
+                            decoder=t.TrOCRConfig(vocab_size=97, d_model=32, decoder_layers=1, decoder_attention_heads=2,
+                                                  decoder_ffn_dim=48, cross_attention_hidden_size=32,
+                                                  decoder_start_token_id=2, pad_token_id=1).to_dict()), 1, 1)}
+    monkeypatch.setattr(models, "_configs", lambda: small)
+    for name, attention in (("blip", "BlipTextSelfAttention"), ("trocr", "TrOCRAttention")):
+        c = dict(kind="image_generate", model=name, dtype=torch.float32, device="cpu", mode="inference", batch=2,
+                 new_tokens=3)
+        fns, row, error = decode.build(c)
+        models_by_name = {n: fn.__defaults__[0] for n, fn in fns.items()}
+        kinds = {n: {type(m).__name__ for m in model.modules() if hasattr(type(m), "_ff_what")}
+                 for n, model in models_by_name.items()}
+        assert not kinds["sdpa"] and attention in kinds["ours"], kinds
+        assert row.case.startswith("HF generate") and error() == 0
+        assert fns["ours"]().shape[0] == 2

@@ -1,10 +1,11 @@
-"""BERT's and ViT's self-attention written out in a family's own code (TAPAS, RemBERT,
-Megatron-BERT, VisualBERT, FLAVA, BLIP: integrations/hf_written_out.py), converted onto
+"""BERT's, ViT's and BART's attention written out in a family's own code (TAPAS, RemBERT,
+Megatron-BERT, VisualBERT, FLAVA, BLIP, TrOCR: integrations/hf_written_out.py), converted onto
 ff.attention with the model's mask, against the unconverted model run in fp64: the hidden states
 at every position (one row right-padded) and every parameter's gradient, with 4 and 6 heads; bf16
 by the error-ratio rule; output_attentions (the original). The decoders: RemBERT's and
-Megatron-BERT's causal LMs and BLIP's captioner (vision encoder, text decoder with cross-
-attention) in logits and gradients, and greedy generation through the cache token for token."""
+Megatron-BERT's causal LMs, BLIP's captioner and TrOCR's reader (vision encoder, text decoder
+with cross-attention) in logits and gradients, and greedy generation through the caches token
+for token, with the keys each step attends to."""
 import copy
 
 import pytest
@@ -102,6 +103,15 @@ def test_written_out_causal_lm_matches_fp64_and_generates_alike(family, monkeypa
     assert len(calls) == 2 * 6  # 2 layers, the prefill and 5 cached steps
 
 
+def _spy_lengths(monkeypatch):
+    """(query rows, keys) of every ff.attention call the converted modules make."""
+    lengths = []
+    kernel = hf_written_out.attention
+    monkeypatch.setattr(hf_written_out, "attention",
+                        lambda q, k, v, **kw: lengths.append((q.shape[-2], k.shape[-2])) or kernel(q, k, v, **kw))
+    return lengths
+
+
 def _blip(heads=4):
     t = transformers
     vision = t.BlipVisionConfig(hidden_size=16 * heads, intermediate_size=48, num_hidden_layers=2,
@@ -120,20 +130,6 @@ def _blip_inputs(dtype=torch.float32):
     return dict(encoder_inputs(11), pixel_values=pixels.to(dtype))
 
 
-@pytest.mark.parametrize("heads", [4, 6])
-def test_blip_captioner_on_the_kernels_matches_fp64(heads, monkeypatch):
-    calls = spy_attention(monkeypatch, hf_written_out)
-    model = _blip(heads)
-    report = ff.convert(model, inplace=False)
-    kinds = [r[1] for r in report.replaced]
-    assert kinds.count("BlipAttention") == 2 and kinds.count("BlipTextSelfAttention") == 4, str(report)
-    assert kinds.count("BlipEncoderLayer") == 2 and kinds.count("BlipTextLayer") == 2, str(report)
-    out, grads = _logits_with_grads(report.model, _blip_inputs())
-    assert len(calls) == 2 + 4  # vision layers; text self- and cross-attention
-    ref, ref_grads = _logits_with_grads(copy.deepcopy(model).double(), _blip_inputs(torch.float64))
-    assert_model_matches(out, grads, ref, ref_grads)
-
-
 def test_blip_captioner_bf16_error_ratio():
     assert_bf16_error_ratio(_blip(), _blip_inputs, run=_logits_with_grads, sdpa_in=hf_written_out)
 
@@ -143,12 +139,17 @@ def test_blip_caption_generates_alike_through_the_cache(monkeypatch):
     row against the cached self-attention keys and the cross-attention keys computed once."""
     model = _blip()
     ours = ff.convert(model, inplace=False).model
-    calls = spy_attention(monkeypatch, hf_written_out)
+    lengths = _spy_lengths(monkeypatch)
     pixels = _blip_inputs()["pixel_values"]
     kw = dict(max_new_tokens=5, do_sample=False, min_new_tokens=5)
     got = ours.generate(pixel_values=pixels, **kw)
     assert torch.equal(got, model.generate(pixel_values=pixels, **kw))
-    assert len(calls) >= 2 + 4 * 4 and all(c.get("attn_mask") is None for c in calls[:2])
+    # 2 vision layers on 17 positions; then per step and layer the self-attention over the
+    # tokens so far and the cross-attention over the 17 image positions, one query row after BOS
+    text = lengths[2:]
+    assert lengths[:2] == [(17, 17)] * 2 and len(text) == 4 * 5
+    assert text[0::2] == [(1, 1), (1, 1), (1, 2), (1, 2), (1, 3), (1, 3), (1, 4), (1, 4), (1, 5), (1, 5)]
+    assert text[1::2] == [(1, 17)] * 10
 
 
 def test_blip_vision_attentions_run_the_original():
@@ -161,3 +162,74 @@ def test_blip_vision_attentions_run_the_original():
     for a, b in zip(got.attentions, want.attentions):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, atol=1e-5, rtol=1e-5)
+
+
+def _trocr(heads=4):
+    """TrOCR's form: a ViT encoder and TrOCR's decoder through VisionEncoderDecoderModel."""
+    t = transformers
+    encoder = t.ViTConfig(image_size=32, patch_size=8, hidden_size=16 * heads, num_hidden_layers=2,
+                          num_attention_heads=heads, intermediate_size=48)
+    decoder = t.TrOCRConfig(vocab_size=97, d_model=16 * heads, decoder_layers=2, decoder_attention_heads=heads,
+                            decoder_ffn_dim=48, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2, decoder_start_token_id=1, dropout=0.0, attention_dropout=0.0,
+                            activation_dropout=0.0)
+    torch.manual_seed(0)
+    model = t.VisionEncoderDecoderModel(encoder=t.ViTModel(encoder), decoder=t.TrOCRForCausalLM(decoder))
+    model.config.decoder_start_token_id, model.config.pad_token_id = 1, 0
+    return _sharpened(model)
+
+
+def _trocr_inputs(dtype=torch.float32):
+    text = encoder_inputs(11)
+    return dict(pixel_values=_blip_inputs(dtype)["pixel_values"], decoder_input_ids=text["input_ids"],
+                decoder_attention_mask=text["attention_mask"])
+
+
+# image-to-text models: (model(heads), inputs(dtype), converted modules by class, ff.attention calls)
+IMAGE_TO_TEXT = {"blip": (_blip, _blip_inputs, dict(BlipAttention=2, BlipTextSelfAttention=4, BlipEncoderLayer=2,
+                                                    BlipTextLayer=2), 2 + 4),  # vision; text self + cross
+                 "trocr": (_trocr, _trocr_inputs, dict(TrOCRAttention=4, TrOCRDecoderLayer=2), 4)}
+
+
+@pytest.mark.parametrize("family", list(IMAGE_TO_TEXT))
+@pytest.mark.parametrize("heads", [4, 6])
+def test_image_to_text_on_the_kernels_matches_fp64(family, heads, monkeypatch):
+    build, inputs, converted, n_calls = IMAGE_TO_TEXT[family]
+    calls = spy_attention(monkeypatch, hf_written_out)
+    model = build(heads)
+    report = ff.convert(model, inplace=False)
+    kinds = [r[1] for r in report.replaced]
+    assert {k: kinds.count(k) for k in converted} == converted, str(report)
+    out, grads = _logits_with_grads(report.model, inputs())
+    assert len(calls) == n_calls and calls[-2]["attn_mask"] is not None  # the text's causal + padding mask
+    ref, ref_grads = _logits_with_grads(copy.deepcopy(model).double(), inputs(torch.float64))
+    assert_model_matches(out, grads, ref, ref_grads)
+
+
+def test_trocr_decoder_bf16_error_ratio():
+    assert_bf16_error_ratio(_trocr(), _trocr_inputs, run=_logits_with_grads, sdpa_in=hf_written_out)
+
+
+def test_trocr_reads_text_alike_through_the_cache(monkeypatch):
+    model = _trocr()
+    ours = ff.convert(model, inplace=False).model
+    lengths = _spy_lengths(monkeypatch)
+    pixels = _trocr_inputs()["pixel_values"]
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.equal(ours.generate(pixels, **kw), model.generate(pixels, **kw))
+    # per step and layer: the self-attention over the tokens so far, the cross-attention over
+    # the encoder's 17 positions (computed once, read from the cache after)
+    assert lengths[0::2] == [(1, n) for n in range(1, 7) for _ in range(2)]
+    assert lengths[1::2] == [(1, 17)] * 12
+
+
+def test_trocr_output_attentions_runs_the_original():
+    model = _trocr()
+    ours = ff.convert(model, inplace=False).model
+    with torch.no_grad():
+        got = ours(**_trocr_inputs(), output_attentions=True)
+        want = model(**_trocr_inputs(), output_attentions=True)
+    assert got.decoder_attentions is not None and len(got.cross_attentions) == 2
+    for a, b in zip(got.decoder_attentions + got.cross_attentions, want.decoder_attentions + want.cross_attentions):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)

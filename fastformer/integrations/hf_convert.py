@@ -55,6 +55,11 @@ attention                   in one pass (ops/relative_bias.py; integrations/hf_d
 MPNet attention and layers  ``ff.attention`` with the encoder's relative-position table as an
                             ``ff.RelativePositionBias`` (no (B, H, L, L) bias); the residual adds
                             on ``ff.add_layer_norm``, the MLP on ``ff.ffn`` (hf_mpnet.py)
+BERT / ViT / BART attention ``ff.attention`` with the model's mask, the decoders' cache kept
+written out (TAPAS,         (hf_written_out.py); their BERT layers' feed-forward chunks as
+RemBERT, Megatron-BERT,     BERT's, BLIP's vision layers as CLIP's, TrOCR's decoder layers as
+VisualBERT, FLAVA, BLIP,    BART's (by name: they return a tuple)
+TrOCR)
 nn.Embedding (every one)    ops/embedding.py: under torch.compile the backward is aten's
                             kernel (inductor's own scatter-add took 200 ms of a compiled bf16
                             Mistral-style training step, aten's ~30); eager calls unchanged
@@ -113,7 +118,7 @@ from .hf_residual import add_norm as _add_norm
 from .hf_residual import layer_norm_added as _layer_norm_added
 from .hf_residual import layer_norm_params
 from .hf_rotary import calls_attention_interface, class_form, convert_rotary_attention, rotary_mixin
-from .hf_seq2seq_forms import seq2seq_forms
+from .hf_seq2seq_forms import seq2seq_forms, seq2seq_named
 
 _SWAPPED: dict = {}
 
@@ -450,9 +455,10 @@ _CONVERTERS.update({
 })
 # attention modules in their model's own code: BLOOM, MPT, Falcon, GPT-Neo, XGLM, DeBERTa, MPNet
 # (hf_own_attention.py); BERT's and ViT's written out (TAPAS, RemBERT, Megatron-BERT, VisualBERT,
-# FLAVA, BLIP: hf_written_out.py)
+# FLAVA, BLIP; BART's in TrOCR: hf_written_out.py)
 _OWN_ATTENTION = {**OWN_ATTENTION, **WRITTEN_OUT_ATTENTION}
 _CONVERTERS.update({name: (lambda m, convert=convert: convert(m, _swap)) for name, convert in _OWN_ATTENTION.items()})
+_CONVERTERS.update(seq2seq_named(_swap))
 
 
 

@@ -8,7 +8,8 @@ instruction (hf_rotary.class_form):
 
   post-norm (BART)    x = LN_a(x + drop(attn(x))); [x = LN_c(x + drop(cross(x)))];
                       x = LN_f(x + drop(fc2(drop_act(act(fc1(x))))))
-                      BART, Marian, PLBart, BlenderbotSmall, Informer, TimeSeriesTransformer
+                      BART, Marian, PLBart, BlenderbotSmall, Informer, TimeSeriesTransformer;
+                      TrOCR's decoder (by name: it returns a tuple)
   pre-norm (Whisper)  x = x + drop(attn(LN_a(x))); [x = x + drop(cross(LN_c(x)))];
                       x = x + drop(fc2(drop_act(act(fc1(LN_f(x))))))
                       encoders of Whisper, mBART, Pegasus, M2M100 / NLLB, Blenderbot,
@@ -127,6 +128,21 @@ class _WhisperFormDecoderLayer(_DecoderLayerForm):
         return stream + _feed_forward(self, h)
 
 
+class _TupleBartFormDecoderLayer(_BartFormDecoderLayer):
+    """TrOCR's decoder layer: BART's post-norm computation with output_attentions a parameter
+    and the stream returned in a tuple (its decoder reads layer_outputs[0])."""
+
+    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, cache=None, output_attentions=False, use_cache=True, **kwargs):
+        cache = _cache(cache, kwargs)
+        if output_attentions or hidden_states.dtype == torch.float16:
+            return self._fastformer_original.forward(self, hidden_states, attention_mask, encoder_hidden_states,
+                                                     encoder_attention_mask, cache, output_attentions, use_cache,
+                                                     **kwargs)
+        return (self._ff_layer(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                               cache, kwargs),)
+
+
 def _cache(cache, kwargs: dict):
     """The cache under its deprecated name too (the originals' decorator renames
     past_key_values to cache before their body runs; the converted forward is not decorated)."""
@@ -159,4 +175,10 @@ def seq2seq_forms(class_form: Callable, swap: Callable) -> dict:
     return {class_form(cls): _converter(mixin, swap) for cls, mixin in _form_mixins()}
 
 
-__all__ = ["seq2seq_forms"]
+def seq2seq_named(swap: Callable) -> dict:
+    """{class name: its converter}: layers of a BART form whose forward differs in what it
+    returns (TrOCR's: a tuple)."""
+    return {"TrOCRDecoderLayer": _converter(_TupleBartFormDecoderLayer, swap)}
+
+
+__all__ = ["seq2seq_forms", "seq2seq_named"]

@@ -1,5 +1,6 @@
-"""ff.convert for BERT's and ViT's attention written out in a family's own code: TAPAS, RemBERT,
-Megatron-BERT, VisualBERT, FLAVA and BLIP (its text encoder / decoder and its vision encoder).
+"""ff.convert for BERT's, ViT's and BART's attention written out in a family's own code: TAPAS,
+RemBERT, Megatron-BERT, VisualBERT, FLAVA, BLIP (its text encoder / decoder and its vision
+encoder) and TrOCR's decoder.
 
 These families copy BERT's self-attention from before transformers' attention interface and
 were never moved onto it, so ``attn_implementation`` does not reach them: each layer forms the
@@ -14,7 +15,11 @@ the self-attention's keys appended to the cache, the cross-attention's computed 
 states once and read back after.
 
 BLIP's vision attention (``BlipAttention``) is ViT's: one fused qkv projection, no mask:
-``ff.attention(q, k, v, dropout_p, scale=head_dim ** -0.5)``.
+``ff.attention(q, k, v, dropout_p, scale=head_dim ** -0.5)``. TrOCR's (``TrOCRAttention``, the
+text decoder of the OCR models, on a ViT / DeiT / BEiT encoder through VisionEncoderDecoderModel)
+is BART's: q scaled, (B * H, Lq, Lk) bmm scores plus the decoder's causal mask or the encoder's
+padding mask, the same cache handling as BLIP's; its layers are BART's post-norm form
+(hf_seq2seq_forms.py).
 
 What each returns is the original's: RemBERT, Megatron-BERT and BLIP (context, probabilities)
 on every call (the converted forward returns (context, None): the layers read the probabilities
@@ -35,8 +40,10 @@ from ..ops.attention import attention
 from .hf_own_attention import _weights_wanted
 
 
-def _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs):
-    """(k, v) as (B, H, Lk, D), through the cache as the original's forward handles it."""
+def _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs, key, value, head_dim):
+    """(k, v) as (B, H, Lk, D) from the projections key / value, through the cache as the
+    original's forward handles it: the self-attention's keys appended, the cross-attention's
+    computed from the encoder states once and read back after."""
     cross = encoder_hidden_states is not None
     current = encoder_hidden_states if cross else hidden_states
     layer_cache, updated = cache, False
@@ -46,9 +53,8 @@ def _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs):
     if cross and cache is not None and updated:
         layer = layer_cache.layers[module.layer_idx]
         return layer.keys, layer.values
-    shape = (*current.shape[:-1], -1, module.attention_head_size)
-    k = module.key(current).view(shape).transpose(1, 2)
-    v = module.value(current).view(shape).transpose(1, 2)
+    shape = (*current.shape[:-1], -1, head_dim)
+    k, v = key(current).view(shape).transpose(1, 2), value(current).view(shape).transpose(1, 2)
     if cache is not None:
         k, v = layer_cache.update(k, v, module.layer_idx, kwargs=kwargs)
         if cross and hasattr(cache, "self_attention_cache"):
@@ -58,14 +64,17 @@ def _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs):
 
 def _context(module, hidden_states, attention_mask, encoder_hidden_states=None, cache=None, kwargs=None):
     """BERT's self-attention context (B, Lq, H * D) on ff.attention."""
-    q = module.query(hidden_states).view(*hidden_states.shape[:-1], -1, module.attention_head_size).transpose(1, 2)
-    k, v = _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs or {})
-    if attention_mask is not None and attention_mask.dtype not in (torch.bool, q.dtype):
-        attention_mask = attention_mask.to(q.dtype)
+    d = module.attention_head_size
+    q = module.query(hidden_states).view(*hidden_states.shape[:-1], -1, d).transpose(1, 2)
+    k, v = _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs or {}, module.key, module.value, d)
     p = module.dropout.p if module.training else 0.0
-    context = attention(q, k, v, attn_mask=attention_mask, dropout_p=p,
-                        scale=1.0 / math.sqrt(module.attention_head_size))
+    context = attention(q, k, v, attn_mask=_in_dtype(attention_mask, q), dropout_p=p, scale=1.0 / math.sqrt(d))
     return context.transpose(1, 2).reshape(*hidden_states.shape[:-1], module.all_head_size)
+
+
+def _in_dtype(mask, q):
+    """The model's additive mask in the activations' dtype (a mixed-dtype mask is refused)."""
+    return mask.to(q.dtype) if mask is not None and mask.dtype not in (torch.bool, q.dtype) else mask
 
 
 def _runs_original(module, hidden_states, kwargs, output_attentions=False) -> bool:
@@ -133,6 +142,32 @@ class BlipVisionAttentionMixin:
         return self.projection(context.transpose(1, 2).reshape(batch, length, width)), None
 
 
+class TrOCRAttentionMixin:
+    """TrOCR's self- and cross-attention (BART's written out): (output, probabilities)."""
+    _ff_what = "ff.attention (the model's mask; no (B * H, Lq, Lk) scores)"
+
+    def forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None,
+                output_attentions=False, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)
+        if output_attentions or _weights_wanted(kwargs) or hidden_states.dtype != self.q_proj.weight.dtype:
+            return super().forward(hidden_states, key_value_states, cache, attention_mask, output_attentions, **kwargs)
+        batch, length, width = hidden_states.shape
+        q = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        k, v = _cached_keys(self, hidden_states, key_value_states, cache, kwargs, self.k_proj, self.v_proj,
+                            self.head_dim)
+        p = self.dropout if self.training else 0.0
+        context = attention(q, k, v, attn_mask=_in_dtype(attention_mask, q), dropout_p=p, scale=self.scaling)
+        return self.out_proj(context.transpose(1, 2).reshape(batch, length, width)), None
+
+
+def convert_trocr_attention(m: nn.Module, swap) -> Optional[str]:
+    if not all(isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "out_proj")) \
+            or not isinstance(getattr(m, "scaling", None), float) or not isinstance(getattr(m, "dropout", None), float):
+        return "not TrOCR's attention form (q / k / v / out projections, a float scaling and dropout)"
+    swap(m, TrOCRAttentionMixin)
+    return None
+
+
 _BERT_FIELDS = ("query", "key", "value", "dropout", "attention_head_size", "all_head_size")
 
 
@@ -173,6 +208,7 @@ WRITTEN_OUT_ATTENTION = {
     "FlavaSelfAttention": _converter(BertEncoderSelfAttentionMixin),
     "BlipTextSelfAttention": _converter(BlipTextSelfAttentionMixin, "layer_idx"),
     "BlipAttention": convert_blip_vision_attention,
+    "TrOCRAttention": convert_trocr_attention,
 }
 
 __all__ = ["WRITTEN_OUT_ATTENTION"]
