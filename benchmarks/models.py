@@ -147,6 +147,12 @@ def _configs():
                  decoder=t.TrOCRConfig(vocab_size=50265, d_model=1024, decoder_layers=12, decoder_attention_heads=16,
                                        decoder_ffn_dim=4096, cross_attention_hidden_size=768,
                                        decoder_start_token_id=2, pad_token_id=1).to_dict()), 2, 32),
+        # Bark-small's semantic model (suno/bark-small's text -> semantic tokens stage: a GPT-2-form
+        # causal LM, its attention in its own code with a causal buffer; no sdpa path: "sdpa" is its
+        # own attention); ff.convert: ff.attention bottom-right causal, the blocks' add + norm fused
+        "Bark-small semantic 12x768": (t.BarkSemanticConfig, t.BarkSemanticModel,
+                                       dict(block_size=1024, input_vocab_size=129600, output_vocab_size=10048,
+                                            num_layers=12, num_heads=12, hidden_size=768, bias=False), 2, 512),
         "GPT-2 small 12x768": (t.GPT2Config, t.GPT2LMHeadModel, dict(n_embd=768, n_layer=12, n_head=12,
                                 n_positions=1024), 2, 512),
         "T5-small 6+6x512": (t.T5Config, t.T5Model, dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6,
@@ -236,7 +242,7 @@ def _inputs(model, B: int, L: int, device):
     if kind.startswith("Blip"):
         return _image_and_text(B, L, model.config.vision_config.image_size, model.config.text_config.vocab_size,
                                g, device)
-    vocab = model.config.vocab_size
+    vocab = getattr(model.config, "vocab_size", None) or model.config.input_vocab_size  # Bark: input_vocab_size
     if kind.startswith("Whisper"):  # L encoder positions from 2L mel frames, L / 8 decoder tokens
         features = torch.randn(B, model.config.num_mel_bins, 2 * L, generator=g).to(device, model.dtype)
         return dict(input_features=features, decoder_input_ids=torch.randint(5, vocab, (B, L // 8), generator=g).to(device))

@@ -1,5 +1,5 @@
-"""BERT's, ViT's and BART's attention written out in a family's own code (TAPAS, RemBERT,
-Megatron-BERT, VisualBERT, FLAVA, BLIP, TrOCR: integrations/hf_written_out.py), converted onto
+"""BERT's, ViT's, BART's and GPT-2's attention written out in a family's own code (TAPAS,
+RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, Bark: integrations/hf_written_out.py), converted onto
 ff.attention with the model's mask, against the unconverted model run in fp64: the hidden states
 at every position (one row right-padded) and every parameter's gradient, with 4 and 6 heads; bf16
 by the error-ratio rule; output_attentions (the original). The decoders: RemBERT's and
@@ -233,3 +233,78 @@ def test_trocr_output_attentions_runs_the_original():
     for a, b in zip(got.decoder_attentions + got.cross_attentions, want.decoder_attentions + want.cross_attentions):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_vilt_on_the_kernels_matches_fp64(monkeypatch):
+    """ViLT (text tokens and image patches in one BERT-style encoder; the patches it keeps drawn
+    at random per forward: seeded alike for every run)."""
+    t = transformers
+    config = t.ViltConfig(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=48, image_size=32, patch_size=8, max_image_length=-1,
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = _sharpened(t.ViltModel(config))
+    report = ff.convert(model, inplace=False)
+    assert [r[1] for r in report.replaced].count("ViltSelfAttention") == 2, str(report)
+    calls = spy_attention(monkeypatch, hf_written_out)
+
+    def run(m, dtype):
+        torch.manual_seed(3)
+        return run_with_grads(m, _blip_inputs(dtype))
+    out, grads = run(report.model, torch.float32)
+    assert len(calls) == 2 and calls[0]["attn_mask"] is not None
+    ref, ref_grads = run(copy.deepcopy(model).double(), torch.float64)
+    assert_model_matches(out, grads, ref, ref_grads)
+
+
+def _bark(causal: bool):
+    t = transformers
+    config = dict(block_size=64, input_vocab_size=97, output_vocab_size=97, num_layers=2, num_heads=4,
+                  hidden_size=64, dropout=0.0)
+    torch.manual_seed(0)
+    if causal:  # the semantic (and coarse) model: a GPT-2-form causal LM
+        return _sharpened(t.BarkSemanticModel(t.BarkSemanticConfig(**config)))
+    return _sharpened(t.BarkFineModel(t.BarkFineConfig(**config, n_codes_total=4, n_codes_given=1)))
+
+
+def _bark_inputs(causal: bool):
+    if causal:
+        return encoder_inputs(13)
+    return dict(codebook_idx=2, input_ids=torch.randint(2, 90, (2, 13, 4), generator=torch.Generator().manual_seed(1)))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["semantic", "fine"])
+def test_bark_on_the_kernels_matches_fp64(causal, monkeypatch):
+    """Bark's causal models (its lower-triangular buffer as bottom-right causality, with the
+    padding mask) and its fine model (no mask): logits and every gradient; its blocks' second
+    residual add fused."""
+    model = _bark(causal)
+    report = ff.convert(model, inplace=False)
+    kinds = [r[1] for r in report.replaced]
+    assert kinds.count("BarkSelfAttention") == 2 and kinds.count("BarkBlock") == 2, str(report)
+    calls = spy_attention(monkeypatch, hf_written_out)
+    out, grads = _logits_with_grads(report.model, _bark_inputs(causal))
+    assert [c["causal"] for c in calls] == ["bottom_right" if causal else False] * 2
+    ref, ref_grads = _logits_with_grads(copy.deepcopy(model).double(), _bark_inputs(causal))
+    assert_model_matches(out, grads, ref, ref_grads)
+
+
+def test_bark_semantic_steps_through_the_cache_alike():
+    """A prefill of 9 tokens, then 4 single-token steps against the cache: the logits of every
+    step as the unconverted model's."""
+    model = _bark(True)
+    ours = ff.convert(model, inplace=False).model
+    ids = encoder_inputs(13)["input_ids"][:1]
+    with torch.no_grad():
+        outs = []
+        for m in (model, ours):
+            step = m(input_ids=ids[:, :9], use_cache=True)
+            logits, cache = [step.logits], step.past_key_values
+            for i in range(9, 13):
+                step = m(input_ids=ids[:, i:i + 1], cache=cache, use_cache=True)
+                logits.append(step.logits)
+                cache = step.past_key_values
+            outs.append(torch.cat(logits, 1))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    full = model(input_ids=ids).logits
+    torch.testing.assert_close(outs[1], full, atol=1e-5, rtol=1e-5)  # and as the whole sequence at once

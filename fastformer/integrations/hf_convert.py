@@ -55,11 +55,11 @@ attention                   in one pass (ops/relative_bias.py; integrations/hf_d
 MPNet attention and layers  ``ff.attention`` with the encoder's relative-position table as an
                             ``ff.RelativePositionBias`` (no (B, H, L, L) bias); the residual adds
                             on ``ff.add_layer_norm``, the MLP on ``ff.ffn`` (hf_mpnet.py)
-BERT / ViT / BART attention ``ff.attention`` with the model's mask, the decoders' cache kept
-written out (TAPAS,         (hf_written_out.py); their BERT layers' feed-forward chunks as
-RemBERT, Megatron-BERT,     BERT's, BLIP's vision layers as CLIP's, TrOCR's decoder layers as
-VisualBERT, FLAVA, BLIP,    BART's (by name: they return a tuple)
-TrOCR)
+BERT / ViT / BART / GPT-2   ``ff.attention`` with the model's mask, the decoders' cache kept
+attention written out       (hf_written_out.py); their BERT layers' feed-forward chunks as
+(TAPAS, RemBERT, Megatron-  BERT's, BLIP's vision layers as CLIP's, TrOCR's decoder layers as
+BERT, VisualBERT, FLAVA,    BART's (by name: they return a tuple), Bark's blocks with
+ViLT, BLIP, TrOCR, Bark)    layernorm_2's residual add fused
 nn.Embedding (every one)    ops/embedding.py: under torch.compile the backward is aten's
                             kernel (inductor's own scatter-add took 200 ms of a compiled bf16
                             Mistral-style training step, aten's ~30); eager calls unchanged
@@ -108,6 +108,7 @@ from .hf_lm_loss import decoder_of
 from .hf_mlp_forms import activation_name as _activation
 from .hf_mlp_forms import convert_mlp_by_form, mlp_candidate, model_ffn, model_swiglu_ffn
 from .hf_mlp_forms import same_dtype as _same_dtype
+from .hf_residual import BarkBlock as _BarkBlock
 from .hf_residual import RMSNormMixin as _RMSNorm
 from .hf_residual import LayerNorm1PMixin
 from .hf_residual import Llama4DecoderLayer as _Llama4DecoderLayer
@@ -454,11 +455,13 @@ _CONVERTERS.update({
                          else "not transformers' Conv1D"),
 })
 # attention modules in their model's own code: BLOOM, MPT, Falcon, GPT-Neo, XGLM, DeBERTa, MPNet
-# (hf_own_attention.py); BERT's and ViT's written out (TAPAS, RemBERT, Megatron-BERT, VisualBERT,
-# FLAVA, BLIP; BART's in TrOCR: hf_written_out.py)
+# (hf_own_attention.py); BERT's, ViT's, BART's and GPT-2's written out (TAPAS, RemBERT,
+# Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, Bark: hf_written_out.py)
 _OWN_ATTENTION = {**OWN_ATTENTION, **WRITTEN_OUT_ATTENTION}
 _CONVERTERS.update({name: (lambda m, convert=convert: convert(m, _swap)) for name, convert in _OWN_ATTENTION.items()})
 _CONVERTERS.update(seq2seq_named(_swap))
+_CONVERTERS["BarkBlock"] = lambda m: (_swap(m, _BarkBlock) if type(m).__module__.startswith("transformers.")
+                                      else "not transformers' BarkBlock")
 
 
 

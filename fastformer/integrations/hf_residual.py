@@ -133,5 +133,20 @@ class PreNormEncoderLayer:
         return residual + self.mlp(h)
 
 
-__all__ = ["LayerNorm1PMixin", "Llama4DecoderLayer", "PreNormDecoderLayer", "PreNormEncoderLayer", "RMSNormMixin",
+class BarkBlock:
+    """Bark's block (GPT-2's pre-norm form, returning a tuple): layernorm_2's residual add fused."""
+    _ff_what = "residual add fused into layernorm_2"
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, use_cache=False, output_attentions=False,
+                **kwargs):
+        cache = kwargs.pop("past_key_values", cache)
+        if output_attentions:
+            return super().forward(hidden_states, cache, attention_mask, use_cache, output_attentions, **kwargs)
+        attn = self.attn(self.layernorm_1(hidden_states), cache=cache, attention_mask=attention_mask,
+                         use_cache=use_cache, output_attentions=False, **kwargs)
+        h, stream = add_norm(self.layernorm_2, attn[0], hidden_states)
+        return (stream + self.mlp(h),) + tuple(attn[1:])
+
+
+__all__ = ["BarkBlock", "LayerNorm1PMixin", "Llama4DecoderLayer", "PreNormDecoderLayer", "PreNormEncoderLayer", "RMSNormMixin",
            "SandwichDecoderLayer", "add_norm", "layer_norm_added"]

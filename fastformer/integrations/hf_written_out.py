@@ -1,6 +1,6 @@
-"""ff.convert for BERT's, ViT's and BART's attention written out in a family's own code: TAPAS,
-RemBERT, Megatron-BERT, VisualBERT, FLAVA, BLIP (its text encoder / decoder and its vision
-encoder) and TrOCR's decoder.
+"""ff.convert for BERT's, ViT's, BART's and GPT-2's attention written out in a family's own code:
+TAPAS, RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP (its text encoder / decoder and its
+vision encoder), TrOCR's decoder and Bark's three GPT-style models.
 
 These families copy BERT's self-attention from before transformers' attention interface and
 were never moved onto it, so ``attn_implementation`` does not reach them: each layer forms the
@@ -19,12 +19,15 @@ BLIP's vision attention (``BlipAttention``) is ViT's: one fused qkv projection, 
 text decoder of the OCR models, on a ViT / DeiT / BEiT encoder through VisionEncoderDecoderModel)
 is BART's: q scaled, (B * H, Lq, Lk) bmm scores plus the decoder's causal mask or the encoder's
 padding mask, the same cache handling as BLIP's; its layers are BART's post-norm form
-(hf_seq2seq_forms.py).
+(hf_seq2seq_forms.py). Bark's (``BarkSelfAttention``: the semantic and coarse models causal by
+a lower-triangular (block, block) buffer sliced bottom-right against the cache, the fine model
+not) is GPT-2's: ``ff.attention(causal="bottom_right" or False, attn_mask=the padding mask)``;
+a causal call past the buffer's length (where the original's slice fails) runs the original.
 
-What each returns is the original's: RemBERT, Megatron-BERT and BLIP (context, probabilities)
-on every call (the converted forward returns (context, None): the layers read the probabilities
-only when they are asked for); TAPAS, VisualBERT and FLAVA (context,), with the cache after it in
-a TAPAS decoder. The original forward runs when the probabilities are wanted
+What each returns is the original's: RemBERT, Megatron-BERT, BLIP, TrOCR and Bark (output,
+probabilities) on every call (the converted forward returns (output, None): the layers read the
+probabilities only when they are asked for); TAPAS, VisualBERT, FLAVA and ViLT (context,), with
+the cache after it in a TAPAS decoder. The original forward runs when the probabilities are wanted
 (``output_attentions``, or transformers' output recorder collecting them: BLIP) and for
 activations in another dtype than the weights.
 """
@@ -106,7 +109,7 @@ class BertTupleSelfAttentionMixin(BertPairSelfAttentionMixin):
 
 
 class BertEncoderSelfAttentionMixin:
-    """VisualBERT's and FLAVA's self-attention (no cross-attention, no cache): (context,)."""
+    """VisualBERT's, FLAVA's and ViLT's self-attention (no cross-attention, no cache): (context,)."""
     _ff_what = BertPairSelfAttentionMixin._ff_what
 
     def forward(self, hidden_states, attention_mask=None, output_attentions=False):
@@ -168,6 +171,40 @@ def convert_trocr_attention(m: nn.Module, swap) -> Optional[str]:
     return None
 
 
+class BarkSelfAttentionMixin:
+    """Bark's attention (GPT-2's written out): one fused q / k / v projection; its causal models
+    (semantic, coarse) mask by a lower-triangular buffer, bottom-right aligned to the cache."""
+    _ff_what = "ff.attention (causal layers bottom-right; the model's padding mask; no (B, H, Lq, Lk) scores)"
+
+    def forward(self, hidden_states, attention_mask=None, cache=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)
+        if (output_attentions or _weights_wanted(kwargs) or hidden_states.dtype != self.att_proj.weight.dtype
+                or (self.is_causal and cache is not None
+                    and cache.get_seq_length(self.layer_idx) + hidden_states.shape[1] > self.bias.shape[-1])):
+            return super().forward(hidden_states, attention_mask, cache, use_cache, output_attentions, **kwargs)
+        q, k, v = (self._split_heads(t, self.num_heads, self.head_dim)
+                   for t in self.att_proj(hidden_states).split(self.embed_dim, dim=2))
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
+        p = self.attn_dropout.p if self.training else 0.0
+        context = attention(q, k, v, causal="bottom_right" if self.is_causal else False,
+                            attn_mask=_in_dtype(attention_mask, q), dropout_p=p, scale=1.0 / math.sqrt(self.head_dim))
+        out = self.out_proj(self._merge_heads(context, self.num_heads, self.head_dim))
+        return self.resid_dropout(out), None
+
+
+def convert_bark_attention(m: nn.Module, swap) -> Optional[str]:
+    if not isinstance(getattr(m, "att_proj", None), nn.Linear) or not isinstance(getattr(m, "attn_dropout", None), nn.Dropout):
+        return "not Bark's attention form (a fused att_proj linear, nn.Dropout attn_dropout)"
+    if m.is_causal:
+        n = m.bias.shape[-1]
+        if not torch.equal(m.bias.reshape(n, n).cpu(), torch.tril(torch.ones(n, n, dtype=torch.bool))):
+            return "its causal buffer is not lower-triangular"
+    swap(m, BarkSelfAttentionMixin)
+    return None
+
+
 _BERT_FIELDS = ("query", "key", "value", "dropout", "attention_head_size", "all_head_size")
 
 
@@ -206,9 +243,11 @@ WRITTEN_OUT_ATTENTION = {
     "TapasSelfAttention": _converter(BertTupleSelfAttentionMixin, "layer_idx", "is_decoder"),
     "VisualBertSelfAttention": _converter(BertEncoderSelfAttentionMixin),
     "FlavaSelfAttention": _converter(BertEncoderSelfAttentionMixin),
+    "ViltSelfAttention": _converter(BertEncoderSelfAttentionMixin),
     "BlipTextSelfAttention": _converter(BlipTextSelfAttentionMixin, "layer_idx"),
     "BlipAttention": convert_blip_vision_attention,
     "TrOCRAttention": convert_trocr_attention,
+    "BarkSelfAttention": convert_bark_attention,
 }
 
 __all__ = ["WRITTEN_OUT_ATTENTION"]
