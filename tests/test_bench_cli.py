@@ -246,8 +246,9 @@ def test_decode_image_generate_candidates_are_what_their_names_say(monkeypatch):
                                                                bos_token_id=1, sep_token_id=2)), 1, 1),
              "trocr": (t.VisionEncoderDecoderConfig, t.VisionEncoderDecoderModel,
                        dict(encoder=t.ViTConfig(**vit).to_dict(),
-                            decoder=t.TrOCRConfig(vocab_size=97, d_model=32, decoder_layers=1, decoder_attention_heads=2,
-                                                  decoder_ffn_dim=48, cross_attention_hidden_size=32,
+                            decoder=t.TrOCRConfig(vocab_size=97, d_model=32, decoder_layers=1,
+                                                  decoder_attention_heads=2, decoder_ffn_dim=48,
+                                                  cross_attention_hidden_size=32,
                                                   decoder_start_token_id=2, pad_token_id=1).to_dict()), 1, 1)}
     monkeypatch.setattr(models, "_configs", lambda: small)
     for name, attention in (("blip", "BlipTextSelfAttention"), ("trocr", "TrOCRAttention")):

@@ -1,11 +1,12 @@
 """BERT's, ViT's, BART's and GPT-2's attention written out in a family's own code (TAPAS,
-RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, Bark: integrations/hf_written_out.py), converted onto
-ff.attention with the model's mask, against the unconverted model run in fp64: the hidden states
-at every position (one row right-padded) and every parameter's gradient, with 4 and 6 heads; bf16
-by the error-ratio rule; output_attentions (the original). The decoders: RemBERT's and
-Megatron-BERT's causal LMs, BLIP's captioner and TrOCR's reader (vision encoder, text decoder
-with cross-attention) in logits and gradients, and greedy generation through the caches token
-for token, with the keys each step attends to."""
+RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, Bark:
+integrations/hf_written_out.py), converted onto ff.attention with the model's mask, against the
+unconverted model run in fp64: the hidden states at every position (one row right-padded) and
+every parameter's gradient, with 4 and 6 heads; bf16 by the error-ratio rule; output_attentions
+(the original). The decoders: RemBERT's and Megatron-BERT's causal LMs, BLIP's captioner and
+TrOCR's reader (vision encoder, text decoder with cross-attention) in logits and gradients, and
+greedy generation through the caches token for token, with the keys each step attends to;
+Bark's causal model step by step through its cache."""
 import copy
 
 import pytest
@@ -29,7 +30,8 @@ FAMILIES = {"tapas": ("TapasConfig", "TapasModel", "TapasSelfAttention", {}),
             "flava_text": ("FlavaTextConfig", "FlavaTextModel", "FlavaSelfAttention", {})}
 # the layers whose feed-forward chunk is BERT's: ff.ffn + ff.add_layer_norm
 LAYERS = {"tapas": "TapasLayer", "rembert": "RemBertLayer", "visual_bert": "VisualBertLayer"}
-CAUSAL_LMS = {"rembert": ("RemBertConfig", "RemBertForCausalLM", dict(input_embedding_size=32, output_embedding_size=32)),
+CAUSAL_LMS = {"rembert": ("RemBertConfig", "RemBertForCausalLM",
+                          dict(input_embedding_size=32, output_embedding_size=32)),
               "megatron_bert": ("MegatronBertConfig", "MegatronBertForCausalLM", {})}
 
 

@@ -148,5 +148,5 @@ class BarkBlock:
         return (stream + self.mlp(h),) + tuple(attn[1:])
 
 
-__all__ = ["BarkBlock", "LayerNorm1PMixin", "Llama4DecoderLayer", "PreNormDecoderLayer", "PreNormEncoderLayer", "RMSNormMixin",
-           "SandwichDecoderLayer", "add_norm", "layer_norm_added"]
+__all__ = ["BarkBlock", "LayerNorm1PMixin", "Llama4DecoderLayer", "PreNormDecoderLayer", "PreNormEncoderLayer",
+           "RMSNormMixin", "SandwichDecoderLayer", "add_norm", "layer_norm_added"]

@@ -195,7 +195,8 @@ class BarkSelfAttentionMixin:
 
 
 def convert_bark_attention(m: nn.Module, swap) -> Optional[str]:
-    if not isinstance(getattr(m, "att_proj", None), nn.Linear) or not isinstance(getattr(m, "attn_dropout", None), nn.Dropout):
+    if not isinstance(getattr(m, "att_proj", None), nn.Linear) \
+            or not isinstance(getattr(m, "attn_dropout", None), nn.Dropout):
         return "not Bark's attention form (a fused att_proj linear, nn.Dropout attn_dropout)"
     if m.is_causal:
         n = m.bias.shape[-1]
