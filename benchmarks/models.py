@@ -153,6 +153,15 @@ def _configs():
         "Bark-small semantic 12x768": (t.BarkSemanticConfig, t.BarkSemanticModel,
                                        dict(block_size=1024, input_vocab_size=129600, output_vocab_size=10048,
                                             num_layers=12, num_heads=12, hidden_size=768, bias=False), 2, 512),
+        # Longformer-base's form (allenai/longformer-base-4096): a window of 512 (256 each side) in
+        # every layer over 4096 tokens, the first token global; its own attention code (chunked band
+        # scores; no sdpa path: "sdpa" is its own attention); ff.convert: ff.attention with the
+        # window + global tokens as one bool mask, the kernels visiting the band's tiles
+        "Longformer-base 12x768 window 512": (t.LongformerConfig, t.LongformerModel,
+                                              dict(vocab_size=50265, hidden_size=768, num_hidden_layers=12,
+                                                   num_attention_heads=12, intermediate_size=3072,
+                                                   attention_window=512, max_position_embeddings=4098,
+                                                   pad_token_id=1), 1, 4096),
         "GPT-2 small 12x768": (t.GPT2Config, t.GPT2LMHeadModel, dict(n_embd=768, n_layer=12, n_head=12,
                                 n_positions=1024), 2, 512),
         "T5-small 6+6x512": (t.T5Config, t.T5Model, dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6,
@@ -252,6 +261,8 @@ def _inputs(model, B: int, L: int, device):
     mask = torch.ones(B, L, dtype=torch.long, device=device)
     mask[1::2, L - L // 4:] = 0
     out = dict(input_ids=ids, attention_mask=mask)
+    if kind.startswith("Longformer"):  # the first token global, as its classification heads set it
+        out["global_attention_mask"] = (torch.arange(L, device=device) == 0).long().expand(B, L)
     if kind.startswith(("T5", "Bart")):
         out["decoder_input_ids"] = ids[:, : L // 2]
     return out

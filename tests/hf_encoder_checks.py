@@ -27,6 +27,15 @@ def spy_attention(monkeypatch, module):
     return calls
 
 
+def spy_lengths(monkeypatch, module):
+    """(query rows, keys) of every call of module.attention."""
+    lengths = []
+    kernel = module.attention
+    monkeypatch.setattr(module, "attention",
+                        lambda q, k, v, **kw: lengths.append((q.shape[-2], k.shape[-2])) or kernel(q, k, v, **kw))
+    return lengths
+
+
 def run_with_grads(model, inputs, output=lambda out: out.last_hidden_state):
     """(the output at every position: by default the hidden states, {name: gradient}) for a
     fixed random output gradient."""

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from hf_encoder_checks import (assert_bf16_error_ratio, assert_output_attentions_match, encoder_inputs,
-                               run_with_grads, spy_attention)
+                               run_with_grads, spy_attention, spy_lengths)
 from oracle import assert_model_matches
 
 transformers = pytest.importorskip("transformers", reason="needs transformers")
@@ -105,15 +105,6 @@ def test_written_out_causal_lm_matches_fp64_and_generates_alike(family, monkeypa
     assert len(calls) == 2 * 6  # 2 layers, the prefill and 5 cached steps
 
 
-def _spy_lengths(monkeypatch):
-    """(query rows, keys) of every ff.attention call the converted modules make."""
-    lengths = []
-    kernel = hf_written_out.attention
-    monkeypatch.setattr(hf_written_out, "attention",
-                        lambda q, k, v, **kw: lengths.append((q.shape[-2], k.shape[-2])) or kernel(q, k, v, **kw))
-    return lengths
-
-
 def _blip(heads=4):
     t = transformers
     vision = t.BlipVisionConfig(hidden_size=16 * heads, intermediate_size=48, num_hidden_layers=2,
@@ -141,7 +132,7 @@ def test_blip_caption_generates_alike_through_the_cache(monkeypatch):
     row against the cached self-attention keys and the cross-attention keys computed once."""
     model = _blip()
     ours = ff.convert(model, inplace=False).model
-    lengths = _spy_lengths(monkeypatch)
+    lengths = spy_lengths(monkeypatch, hf_written_out)
     pixels = _blip_inputs()["pixel_values"]
     kw = dict(max_new_tokens=5, do_sample=False, min_new_tokens=5)
     got = ours.generate(pixel_values=pixels, **kw)
@@ -215,7 +206,7 @@ def test_trocr_decoder_bf16_error_ratio():
 def test_trocr_reads_text_alike_through_the_cache(monkeypatch):
     model = _trocr()
     ours = ff.convert(model, inplace=False).model
-    lengths = _spy_lengths(monkeypatch)
+    lengths = spy_lengths(monkeypatch, hf_written_out)
     pixels = _trocr_inputs()["pixel_values"]
     kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
     assert torch.equal(ours.generate(pixels, **kw), model.generate(pixels, **kw))

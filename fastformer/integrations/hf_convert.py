@@ -59,7 +59,11 @@ BERT / ViT / BART / GPT-2   ``ff.attention`` with the model's mask, the decoders
 attention written out       (hf_written_out.py); their BERT layers' feed-forward chunks as
 (TAPAS, RemBERT, Megatron-  BERT's, BLIP's vision layers as CLIP's, TrOCR's decoder layers as
 BERT, VisualBERT, FLAVA,    BART's (by name: they return a tuple), Bark's blocks with
-ViLT, BLIP, TrOCR, Bark)    layernorm_2's residual add fused
+ViLT, BLIP, TrOCR, LED's    layernorm_2's residual add fused
+decoder, Bark)
+Longformer / LED encoder    ``ff.attention`` with the window and global tokens as one bool mask
+attention                   (the band's and global columns' tiles only), the global rows in a
+                            second call (hf_longformer.py); Longformer's layers as BERT's
 nn.Embedding (every one)    ops/embedding.py: under torch.compile the backward is aten's
                             kernel (inductor's own scatter-add took 200 ms of a compiled bf16
                             Mistral-style training step, aten's ~30); eager calls unchanged
@@ -101,6 +105,7 @@ from ..ops.ffn import ffn
 from ..ops.linear import linear
 from . import hf_moe
 from .hf_own_attention import OWN_ATTENTION, convert_mpt_block
+from .hf_longformer import LONGFORMER_ATTENTION
 from .hf_written_out import WRITTEN_OUT_ATTENTION
 from .hf_lm_loss import CausalLMLoss as _CausalLMLoss
 from .hf_lm_loss import MoECausalLMLoss as _MoECausalLMLoss
@@ -210,24 +215,36 @@ class _BertAddNorm:
         return _layer_norm_added(self.LayerNorm, self.dropout(self.dense(hidden_states)), input_tensor)
 
 
+def _bert_ff_chunk(layer, attention_output, original):
+    """BERT's feed-forward chunk: ff.ffn over intermediate.dense and output.dense, then the fused
+    add + LayerNorm (`original` where the dtypes differ)."""
+    inner, out = layer.intermediate.dense, layer.output.dense
+    if not _same_dtype(attention_output, inner.weight, out.weight):
+        return original(attention_output)
+    y = ffn(attention_output, inner.weight, inner.bias, out.weight, out.bias, layer._ff_act)
+    return _layer_norm_added(layer.output.LayerNorm, layer.output.dropout(y), attention_output)
+
+
 class _BertLayer:
-    """The feed-forward chunk: ff.ffn over intermediate.dense and output.dense, then the fused
-    add + LayerNorm."""
     _ff_what = "ff.ffn + ff.add_layer_norm (feed-forward chunk)"
 
     def feed_forward_chunk(self, attention_output):
-        inner, out = self.intermediate.dense, self.output.dense
-        if not _same_dtype(attention_output, inner.weight, out.weight):
-            return super().feed_forward_chunk(attention_output)
-        y = ffn(attention_output, inner.weight, inner.bias, out.weight, out.bias, self._ff_act)
-        return _layer_norm_added(self.output.LayerNorm, self.output.dropout(y), attention_output)
+        return _bert_ff_chunk(self, attention_output, super().feed_forward_chunk)
 
 
-def _convert_bert_layer(m: nn.Module) -> Optional[str]:
+class _LongformerLayer:
+    """Longformer's layer: BERT's feed-forward chunk under the name ff_chunk."""
+    _ff_what = _BertLayer._ff_what
+
+    def ff_chunk(self, attn_output):
+        return _bert_ff_chunk(self, attn_output, super().ff_chunk)
+
+
+def _convert_bert_layer(m: nn.Module, mixin: type = _BertLayer) -> Optional[str]:
     inter = getattr(m, "intermediate", None)
     if not isinstance(getattr(inter, "dense", None), nn.Linear):
         return "no intermediate.dense linear"
-    return _convert_act(m, getattr(inter, "intermediate_act_fn", None), _BertLayer)
+    return _convert_act(m, getattr(inter, "intermediate_act_fn", None), mixin)
 
 
 class _DistilBertBlock:
@@ -456,8 +473,9 @@ _CONVERTERS.update({
 })
 # attention modules in their model's own code: BLOOM, MPT, Falcon, GPT-Neo, XGLM, DeBERTa, MPNet
 # (hf_own_attention.py); BERT's, ViT's, BART's and GPT-2's written out (TAPAS, RemBERT,
-# Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, Bark: hf_written_out.py)
-_OWN_ATTENTION = {**OWN_ATTENTION, **WRITTEN_OUT_ATTENTION}
+# Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, Bark: hf_written_out.py); Longformer's and
+# LED's window with global tokens (hf_longformer.py)
+_OWN_ATTENTION = {**OWN_ATTENTION, **WRITTEN_OUT_ATTENTION, **LONGFORMER_ATTENTION}
 _CONVERTERS.update({name: (lambda m, convert=convert: convert(m, _swap)) for name, convert in _OWN_ATTENTION.items()})
 _CONVERTERS.update(seq2seq_named(_swap))
 _CONVERTERS["BarkBlock"] = lambda m: (_swap(m, _BarkBlock) if type(m).__module__.startswith("transformers.")
@@ -473,17 +491,21 @@ _CONVERTERS["BarkBlock"] = lambda m: (_swap(m, _BarkBlock) if type(m).__module__
 # test is the forward's bytecode, names and local names, and those of the family's functions and
 # the class's methods it calls (hf_rotary.class_form): the same attributes, called in the same
 # order, with the same arithmetic.
-def _convert_bert_form_layer(m: nn.Module) -> Optional[str]:
-    """A layer whose forward is BertLayer's: converted as BertLayer where its feed-forward chunk,
-    intermediate and output are BERT's too."""
+def _convert_bert_form_layer(m: nn.Module, chunk: str = "feed_forward_chunk",
+                             mixin: type = _BertLayer) -> Optional[str]:
+    """A layer converted as BertLayer where its feed-forward chunk (the method `chunk`: BERT's
+    code, with its local names where they are BERT's), intermediate and output are BERT's."""
     from transformers.models.bert import modeling_bert as bert
-    forms = [(m, "feed_forward_chunk", bert.BertLayer),
-             (getattr(m, "intermediate", None), "forward", bert.BertIntermediate),
+    forms = [(getattr(m, "intermediate", None), "forward", bert.BertIntermediate),
              (getattr(m, "output", None), "forward", bert.BertOutput)]
     if any(getattr(type(obj), name, None) is None or class_form(type(obj), name) != class_form(bert_cls, name)
            for obj, name, bert_cls in forms):
-        return "its feed-forward chunk, intermediate or output is not BERT's"
-    return _convert_bert_layer(m)
+        return "its intermediate or output is not BERT's"
+    method, bert_method = getattr(type(m), chunk, None), bert.BertLayer.feed_forward_chunk
+    if method is None or method.__code__.co_code != bert_method.__code__.co_code \
+            or method.__code__.co_names != bert_method.__code__.co_names:
+        return f"its {chunk} is not BERT's feed-forward chunk"
+    return _convert_bert_layer(m, mixin)
 
 
 def _convert_bert_form_add_norm(m: nn.Module) -> Optional[str]:
@@ -494,10 +516,12 @@ def _convert_bert_form_add_norm(m: nn.Module) -> Optional[str]:
 
 
 # The layers around the written-out BERT attention (hf_written_out.py: TAPAS, RemBERT, VisualBERT,
-# BLIP's text decoder): their forwards are not BertLayer's (cross-attention, their own outputs),
-# their feed-forward chunks are, converted where the chunk, intermediate and output are BERT's.
+# BLIP's text decoder; Longformer's, hf_longformer.py): their forwards are not BertLayer's
+# (cross-attention, their own outputs), their feed-forward chunks are (Longformer's named
+# ff_chunk), converted where the chunk, intermediate and output are BERT's.
 _CONVERTERS.update({name: _convert_bert_form_layer for name in ("TapasLayer", "RemBertLayer", "VisualBertLayer",
                                                                 "BlipTextLayer")})
+_CONVERTERS["LongformerLayer"] = lambda m: _convert_bert_form_layer(m, "ff_chunk", _LongformerLayer)
 
 
 @functools.lru_cache(maxsize=None)

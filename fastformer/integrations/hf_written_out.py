@@ -19,7 +19,8 @@ BLIP's vision attention (``BlipAttention``) is ViT's: one fused qkv projection, 
 text decoder of the OCR models, on a ViT / DeiT / BEiT encoder through VisionEncoderDecoderModel)
 is BART's: q scaled, (B * H, Lq, Lk) bmm scores plus the decoder's causal mask or the encoder's
 padding mask, the same cache handling as BLIP's; its layers are BART's post-norm form
-(hf_seq2seq_forms.py). Bark's (``BarkSelfAttention``: the semantic and coarse models causal by
+(hf_seq2seq_forms.py). LED's decoder attention is the same code returning the cache third
+(LED's encoder: hf_longformer.py). Bark's (``BarkSelfAttention``: the semantic and coarse models causal by
 a lower-triangular (block, block) buffer sliced bottom-right against the cache, the fine model
 not) is GPT-2's: ``ff.attention(causal="bottom_right" or False, attn_mask=the padding mask)``;
 a causal call past the buffer's length (where the original's slice fails) runs the original.
@@ -146,8 +147,9 @@ class BlipVisionAttentionMixin:
 
 
 class TrOCRAttentionMixin:
-    """TrOCR's self- and cross-attention (BART's written out): (output, probabilities)."""
+    """TrOCR's decoder self- and cross-attention (BART's written out): (output, probabilities)."""
     _ff_what = "ff.attention (the model's mask; no (B * H, Lq, Lk) scores)"
+    _ff_returns_cache = False
 
     def forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None,
                 output_attentions=False, **kwargs):
@@ -160,14 +162,21 @@ class TrOCRAttentionMixin:
                             self.head_dim)
         p = self.dropout if self.training else 0.0
         context = attention(q, k, v, attn_mask=_in_dtype(attention_mask, q), dropout_p=p, scale=self.scaling)
-        return self.out_proj(context.transpose(1, 2).reshape(batch, length, width)), None
+        out = self.out_proj(context.transpose(1, 2).reshape(batch, length, width))
+        return (out, None, cache) if self._ff_returns_cache else (out, None)
 
 
-def convert_trocr_attention(m: nn.Module, swap) -> Optional[str]:
+class LEDDecoderAttentionMixin(TrOCRAttentionMixin):
+    """LED's decoder attention: TrOCR's code, returning (output, probabilities, cache)."""
+    _ff_returns_cache = True
+
+
+
+def convert_trocr_attention(m: nn.Module, swap, mixin: type = TrOCRAttentionMixin) -> Optional[str]:
     if not all(isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "out_proj")) \
             or not isinstance(getattr(m, "scaling", None), float) or not isinstance(getattr(m, "dropout", None), float):
-        return "not TrOCR's attention form (q / k / v / out projections, a float scaling and dropout)"
-    swap(m, TrOCRAttentionMixin)
+        return "not BART's attention form written out (q / k / v / out projections, a float scaling and dropout)"
+    swap(m, mixin)
     return None
 
 
@@ -248,6 +257,7 @@ WRITTEN_OUT_ATTENTION = {
     "BlipTextSelfAttention": _converter(BlipTextSelfAttentionMixin, "layer_idx"),
     "BlipAttention": convert_blip_vision_attention,
     "TrOCRAttention": convert_trocr_attention,
+    "LEDDecoderAttention": lambda m, swap: convert_trocr_attention(m, swap, LEDDecoderAttentionMixin),
     "BarkSelfAttention": convert_bark_attention,
 }
 
