@@ -1,5 +1,5 @@
 """BERT's, ViT's, BART's and GPT-2's attention written out in a family's own code (TAPAS,
-RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, Bark:
+RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, Bark, XLM, FlauBERT:
 integrations/hf_written_out.py), converted onto ff.attention with the model's mask, against the
 unconverted model run in fp64: the hidden states at every position (one row right-padded) and
 every parameter's gradient, with 4 and 6 heads; bf16 by the error-ratio rule; output_attentions
@@ -301,3 +301,41 @@ def test_bark_semantic_steps_through_the_cache_alike():
     torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
     full = model(input_ids=ids).logits
     torch.testing.assert_close(outs[1], full, atol=1e-5, rtol=1e-5)  # and as the whole sequence at once
+
+
+XLM_FAMILIES = {"xlm": ("XLMConfig", "XLMModel", {}), "flaubert": ("FlaubertConfig", "FlaubertModel", {}),
+                "xlm-clm": ("XLMConfig", "XLMWithLMHeadModel", dict(causal=True))}
+
+
+def _xlm(family):
+    config_name, model_name, extra = XLM_FAMILIES[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(vocab_size=97, emb_dim=64, n_layers=2, n_heads=4, dropout=0.0,
+                                                attention_dropout=0.0, max_position_embeddings=64, **extra)
+    return _sharpened(getattr(transformers, model_name)(config))
+
+
+@pytest.mark.parametrize("family", list(XLM_FAMILIES))
+def test_xlm_attention_on_the_kernels_matches_fp64(family, monkeypatch):
+    """XLM's and FlauBERT's MultiHeadAttention: their 0 / 1 key mask (the padding), and the causal
+    (B, L, L) mask of XLM's causal LM, as ff.attention's bool mask."""
+    model = _xlm(family)
+    report = ff.convert(model, inplace=False)
+    assert [r[1] for r in report.replaced].count("MultiHeadAttention") == 2, str(report)
+    calls = spy_attention(monkeypatch, hf_written_out)
+    output = (lambda out: out.logits) if family == "xlm-clm" else (lambda out: out.last_hidden_state)
+    out, grads = run_with_grads(report.model, encoder_inputs(), output)
+    assert len(calls) == 2 and calls[0]["attn_mask"].dtype == torch.bool
+    ref, ref_grads = run_with_grads(copy.deepcopy(model).double(), encoder_inputs(), output)
+    assert_model_matches(out, grads, ref, ref_grads)
+
+
+def test_xlm_causal_lm_generates_alike_through_the_cache(monkeypatch):
+    model = _xlm("xlm-clm")
+    ours = ff.convert(model, inplace=False).model
+    lengths = spy_lengths(monkeypatch, hf_written_out)
+    prompt = encoder_inputs(9)["input_ids"][:1]
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=2)
+    assert torch.equal(ours.generate(prompt, **kw), model.generate(prompt, **kw))
+    # layer 0: the prompt and the mask token XLM's generate appends, then single rows against the cache
+    assert lengths[0::2] == [(10, 10)] + [(1, n) for n in range(11, 15)]

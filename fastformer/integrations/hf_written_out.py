@@ -1,6 +1,6 @@
 """ff.convert for BERT's, ViT's, BART's and GPT-2's attention written out in a family's own code:
 TAPAS, RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP (its text encoder / decoder and its
-vision encoder), TrOCR's decoder and Bark's three GPT-style models.
+vision encoder), TrOCR's and LED's decoders, Bark's three GPT-style models, XLM and FlauBERT.
 
 These families copy BERT's self-attention from before transformers' attention interface and
 were never moved onto it, so ``attn_implementation`` does not reach them: each layer forms the
@@ -24,13 +24,16 @@ padding mask, the same cache handling as BLIP's; its layers are BART's post-norm
 a lower-triangular (block, block) buffer sliced bottom-right against the cache, the fine model
 not) is GPT-2's: ``ff.attention(causal="bottom_right" or False, attn_mask=the padding mask)``;
 a causal call past the buffer's length (where the original's slice fails) runs the original.
+XLM's and FlauBERT's (``MultiHeadAttention``) take a 1 / 0 mask over the keys, (B, Lk), or the
+causal (B, Lq, Lk) one of XLM's language model: ff.attention's bool mask as it is; their
+cross-attention (XLM as a decoder of another encoder) runs the original.
 
 What each returns is the original's: RemBERT, Megatron-BERT, BLIP, TrOCR and Bark (output,
 probabilities) on every call (the converted forward returns (output, None): the layers read the
-probabilities only when they are asked for); TAPAS, VisualBERT, FLAVA and ViLT (context,), with
-the cache after it in a TAPAS decoder. The original forward runs when the probabilities are wanted
-(``output_attentions``, or transformers' output recorder collecting them: BLIP) and for
-activations in another dtype than the weights.
+probabilities only when they are asked for), LED's decoder the cache third; TAPAS, VisualBERT,
+FLAVA, ViLT, XLM and FlauBERT (output,), with the cache after it in a TAPAS decoder. The
+original forward runs when the probabilities are wanted (``output_attentions``, or transformers'
+output recorder collecting them: BLIP) and for activations in another dtype than the weights.
 """
 from __future__ import annotations
 
@@ -215,6 +218,39 @@ def convert_bark_attention(m: nn.Module, swap) -> Optional[str]:
     return None
 
 
+class XLMAttentionMixin:
+    """XLM's and FlauBERT's self-attention (``MultiHeadAttention``): their mask is 1 / 0 over the
+    keys, (B, Lk), or (B, Lq, Lk) causal for a language model, and becomes ff.attention's bool
+    mask as it is; (output,) returned."""
+    _ff_what = "ff.attention (the model's 0 / 1 mask as a bool mask; no (B, H, Lq, Lk) scores)"
+
+    def forward(self, input, mask, kv=None, cache=None, output_attentions=False, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)
+        if output_attentions or kv is not None or input.dtype != self.q_lin.weight.dtype:
+            return super().forward(input, mask, kv, cache, output_attentions, **kwargs)
+        batch, length, width = input.shape
+
+        def heads(x):
+            return x.view(batch, -1, self.n_heads, self.head_dim).transpose(1, 2)
+        q, k, v = heads(self.q_lin(input)), heads(self.k_lin(input)), heads(self.v_lin(input))
+        if cache is not None:
+            k, v = getattr(cache, "self_attention_cache", cache).update(k, v, self.layer_id, kwargs=kwargs)
+        visible = (mask != 0).view((batch, 1, length, -1) if mask.dim() == 3 else (batch, 1, 1, -1))
+        p = self.dropout if self.training else 0.0
+        context = attention(q, k, v, attn_mask=visible, dropout_p=p, scale=1.0 / math.sqrt(self.head_dim))
+        return (self.out_lin(context.transpose(1, 2).reshape(batch, length, width)),)
+
+
+def convert_xlm_attention(m: nn.Module, swap) -> Optional[str]:
+    if not type(m).__module__.startswith(("transformers.models.xlm.", "transformers.models.flaubert.")):
+        return "not XLM's or FlauBERT's MultiHeadAttention"
+    if not all(isinstance(getattr(m, n, None), nn.Linear) for n in ("q_lin", "k_lin", "v_lin", "out_lin")) \
+            or not isinstance(getattr(m, "dropout", None), float):
+        return "not XLM's attention form (q / k / v / out linears, a float dropout)"
+    swap(m, XLMAttentionMixin)
+    return None
+
+
 _BERT_FIELDS = ("query", "key", "value", "dropout", "attention_head_size", "all_head_size")
 
 
@@ -259,6 +295,7 @@ WRITTEN_OUT_ATTENTION = {
     "TrOCRAttention": convert_trocr_attention,
     "LEDDecoderAttention": lambda m, swap: convert_trocr_attention(m, swap, LEDDecoderAttentionMixin),
     "BarkSelfAttention": convert_bark_attention,
+    "MultiHeadAttention": convert_xlm_attention,  # XLM's and FlauBERT's (CTRL's is another form)
 }
 
 __all__ = ["WRITTEN_OUT_ATTENTION"]
