@@ -1,5 +1,5 @@
 """BERT's, ViT's, BART's and GPT-2's attention written out in a family's own code (TAPAS,
-RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, Bark, XLM, FlauBERT:
+RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, Bark, OpenAI GPT, XLM, FlauBERT:
 integrations/hf_written_out.py), converted onto ff.attention with the model's mask, against the
 unconverted model run in fp64: the hidden states at every position (one row right-padded) and
 every parameter's gradient, with 4 and 6 heads; bf16 by the error-ratio rule; output_attentions
@@ -339,3 +339,19 @@ def test_xlm_causal_lm_generates_alike_through_the_cache(monkeypatch):
     assert torch.equal(ours.generate(prompt, **kw), model.generate(prompt, **kw))
     # layer 0: the prompt and the mask token XLM's generate appends, then single rows against the cache
     assert lengths[0::2] == [(10, 10)] + [(1, n) for n in range(11, 15)]
+
+
+def test_openai_gpt_attention_on_the_kernels_matches_fp64(monkeypatch):
+    """OpenAI GPT's attention: causal by its buffer (masked scores set to -1e4), the padding mask."""
+    t = transformers
+    torch.manual_seed(0)
+    model = _sharpened(t.OpenAIGPTLMHeadModel(t.OpenAIGPTConfig(vocab_size=97, n_positions=64, n_embd=64, n_layer=2,
+                                                                n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                                attn_pdrop=0.0)))
+    report = ff.convert(model, inplace=False)
+    assert [r[1] for r in report.replaced].count("Attention") == 2, str(report)
+    calls = spy_attention(monkeypatch, hf_written_out)
+    out, grads = _logits_with_grads(report.model, encoder_inputs())
+    assert [c["causal"] for c in calls] == [True, True] and calls[0]["attn_mask"] is not None
+    ref, ref_grads = _logits_with_grads(copy.deepcopy(model).double(), encoder_inputs())
+    assert_model_matches(out, grads, ref, ref_grads)

@@ -60,8 +60,8 @@ attention written out       (hf_written_out.py); their BERT layers' feed-forward
 (TAPAS, RemBERT, Megatron-  BERT's, BLIP's vision layers as CLIP's, TrOCR's decoder layers as
 BERT, VisualBERT, FLAVA,    BART's (by name: they return a tuple), Bark's blocks with
 ViLT, BLIP, TrOCR, LED's    layernorm_2's residual add fused
-decoder, Bark, XLM,
-FlauBERT)
+decoder, Bark, OpenAI GPT,
+XLM, FlauBERT)
 Longformer / LED encoder    ``ff.attention`` with the window and global tokens as one bool mask
 attention                   (the band's and global columns' tiles only), the global rows in a
                             second call (hf_longformer.py); Longformer's layers as BERT's

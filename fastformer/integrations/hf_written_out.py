@@ -1,6 +1,7 @@
 """ff.convert for BERT's, ViT's, BART's and GPT-2's attention written out in a family's own code:
 TAPAS, RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP (its text encoder / decoder and its
-vision encoder), TrOCR's and LED's decoders, Bark's three GPT-style models, XLM and FlauBERT.
+vision encoder), TrOCR's and LED's decoders, Bark's three GPT-style models, OpenAI GPT, XLM and
+FlauBERT.
 
 These families copy BERT's self-attention from before transformers' attention interface and
 were never moved onto it, so ``attn_implementation`` does not reach them: each layer forms the
@@ -20,18 +21,23 @@ text decoder of the OCR models, on a ViT / DeiT / BEiT encoder through VisionEnc
 is BART's: q scaled, (B * H, Lq, Lk) bmm scores plus the decoder's causal mask or the encoder's
 padding mask, the same cache handling as BLIP's; its layers are BART's post-norm form
 (hf_seq2seq_forms.py). LED's decoder attention is the same code returning the cache third
-(LED's encoder: hf_longformer.py). Bark's (``BarkSelfAttention``: the semantic and coarse models causal by
-a lower-triangular (block, block) buffer sliced bottom-right against the cache, the fine model
-not) is GPT-2's: ``ff.attention(causal="bottom_right" or False, attn_mask=the padding mask)``;
-a causal call past the buffer's length (where the original's slice fails) runs the original.
-XLM's and FlauBERT's (``MultiHeadAttention``) take a 1 / 0 mask over the keys, (B, Lk), or the
-causal (B, Lq, Lk) one of XLM's language model: ff.attention's bool mask as it is; their
-cross-attention (XLM as a decoder of another encoder) runs the original.
+(LED's encoder: hf_longformer.py).
+
+Bark's (``BarkSelfAttention``: the semantic and coarse models causal by a lower-triangular
+(block, block) buffer sliced bottom-right against the cache, the fine model not) is GPT-2's:
+``ff.attention(causal="bottom_right" or False, attn_mask=the padding mask)``; a causal call past
+the buffer's length (where the original's slice fails) runs the original. OpenAI GPT's
+(``Attention``) is causal by a buffer that sets the masked scores to -1e4 (causal masking: exp
+underflows to 0), with the padding mask. XLM's and FlauBERT's (``MultiHeadAttention``) take a
+1 / 0 mask over the keys, (B, Lk), or the causal (B, Lq, Lk) one of XLM's language model:
+ff.attention's bool mask as it is; their cross-attention (XLM as a decoder of another encoder)
+runs the original.
 
 What each returns is the original's: RemBERT, Megatron-BERT, BLIP, TrOCR and Bark (output,
 probabilities) on every call (the converted forward returns (output, None): the layers read the
 probabilities only when they are asked for), LED's decoder the cache third; TAPAS, VisualBERT,
-FLAVA, ViLT, XLM and FlauBERT (output,), with the cache after it in a TAPAS decoder. The
+FLAVA, ViLT, XLM and FlauBERT (output,), with the cache after it in a TAPAS decoder; OpenAI GPT
+[output]. The
 original forward runs when the probabilities are wanted (``output_attentions``, or transformers'
 output recorder collecting them: BLIP) and for activations in another dtype than the weights.
 """
@@ -218,6 +224,37 @@ def convert_bark_attention(m: nn.Module, swap) -> Optional[str]:
     return None
 
 
+class OpenAIGPTAttentionMixin:
+    """OpenAI GPT's attention (``Attention`` in its module): its causal buffer sets the masked
+    scores to -1e4 (exp underflows to 0 past any row's visible score: causal masking), the
+    model's additive padding mask, the 1 / sqrt(d) scale only with ``scale``; [output] returned."""
+    _ff_what = "ff.attention (causal, the model's padding mask; no (B, H, L, L) scores)"
+
+    def forward(self, x, attention_mask=None, output_attentions=False):
+        if output_attentions or x.dtype != self.c_attn.weight.dtype or x.shape[1] > self.bias.shape[-1]:
+            return super().forward(x, attention_mask, output_attentions)
+        batch, length, width = x.shape
+        q, k, v = (t.view(batch, length, self.n_head, -1).transpose(1, 2)
+                   for t in self.c_attn(x).split(self.split_size, 2))
+        p = self.attn_dropout.p if self.training else 0.0
+        scale = 1.0 / math.sqrt(q.shape[-1]) if self.scale else 1.0
+        context = attention(q, k, v, causal=True, attn_mask=_in_dtype(attention_mask, q), dropout_p=p, scale=scale)
+        return [self.resid_dropout(self.c_proj(context.transpose(1, 2).reshape(batch, length, width)))]
+
+
+def convert_openai_gpt_attention(m: nn.Module, swap) -> Optional[str]:
+    if not type(m).__module__.startswith("transformers.models.openai."):
+        return "not OpenAI GPT's Attention"
+    bias = getattr(m, "bias", None)
+    if not isinstance(bias, torch.Tensor) or not isinstance(getattr(m, "attn_dropout", None), nn.Dropout):
+        return "not OpenAI GPT's attention form (a causal buffer, nn.Dropout attn_dropout)"
+    n = bias.shape[-1]
+    if not torch.equal(bias.reshape(n, n).cpu(), torch.tril(torch.ones(n, n, dtype=bias.dtype))):
+        return "its causal buffer is not lower-triangular"
+    swap(m, OpenAIGPTAttentionMixin)
+    return None
+
+
 class XLMAttentionMixin:
     """XLM's and FlauBERT's self-attention (``MultiHeadAttention``): their mask is 1 / 0 over the
     keys, (B, Lk), or (B, Lq, Lk) causal for a language model, and becomes ff.attention's bool
@@ -296,6 +333,7 @@ WRITTEN_OUT_ATTENTION = {
     "LEDDecoderAttention": lambda m, swap: convert_trocr_attention(m, swap, LEDDecoderAttentionMixin),
     "BarkSelfAttention": convert_bark_attention,
     "MultiHeadAttention": convert_xlm_attention,  # XLM's and FlauBERT's (CTRL's is another form)
+    "Attention": convert_openai_gpt_attention,  # OpenAI GPT's
 }
 
 __all__ = ["WRITTEN_OUT_ATTENTION"]
