@@ -106,11 +106,10 @@ from ..ops.ffn import ffn
 from ..ops.linear import linear
 from . import hf_moe
 from .hf_own_attention import OWN_ATTENTION, convert_mpt_block
-from .hf_longformer import LONGFORMER_ATTENTION
-from .hf_written_out import WRITTEN_OUT_ATTENTION
 from .hf_lm_loss import CausalLMLoss as _CausalLMLoss
 from .hf_lm_loss import MoECausalLMLoss as _MoECausalLMLoss
 from .hf_lm_loss import decoder_of
+from .hf_longformer import LONGFORMER_ATTENTION
 from .hf_mlp_forms import activation_name as _activation
 from .hf_mlp_forms import convert_mlp_by_form, mlp_candidate, model_ffn, model_swiglu_ffn
 from .hf_mlp_forms import same_dtype as _same_dtype
@@ -126,6 +125,7 @@ from .hf_residual import layer_norm_added as _layer_norm_added
 from .hf_residual import layer_norm_params
 from .hf_rotary import calls_attention_interface, class_form, convert_rotary_attention, rotary_mixin
 from .hf_seq2seq_forms import seq2seq_forms, seq2seq_named
+from .hf_written_out import WRITTEN_OUT_ATTENTION
 
 _SWAPPED: dict = {}
 
@@ -474,8 +474,8 @@ _CONVERTERS.update({
 })
 # attention modules in their model's own code: BLOOM, MPT, Falcon, GPT-Neo, XGLM, DeBERTa, MPNet
 # (hf_own_attention.py); BERT's, ViT's, BART's and GPT-2's written out (TAPAS, RemBERT,
-# Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, Bark: hf_written_out.py); Longformer's and
-# LED's window with global tokens (hf_longformer.py)
+# Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, LED's decoder, Bark, OpenAI GPT, XLM,
+# FlauBERT: hf_written_out.py); Longformer's and LED's window with global tokens (hf_longformer.py)
 _OWN_ATTENTION = {**OWN_ATTENTION, **WRITTEN_OUT_ATTENTION, **LONGFORMER_ATTENTION}
 _CONVERTERS.update({name: (lambda m, convert=convert: convert(m, _swap)) for name, convert in _OWN_ATTENTION.items()})
 _CONVERTERS.update(seq2seq_named(_swap))
