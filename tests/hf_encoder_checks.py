@@ -51,7 +51,7 @@ def _torch_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, scale=None):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
 
 
-def assert_bf16_error_ratio(model, inputs, run=run_with_grads, sdpa_in=None):
+def assert_bf16_error_ratio(model, inputs, run=run_with_grads, sdpa_in=None, reference=None):
     """The converted bf16 model's outputs and gradients against fp64, by the error-ratio rule:
     within a factor of torch's own bf16 error. `inputs`: a dict, or dtype -> dict; `run`: model,
     inputs -> (output, {name: gradient}). torch's error is bf16 eager's; with `sdpa_in` (the
@@ -59,7 +59,8 @@ def assert_bf16_error_ratio(model, inputs, run=run_with_grads, sdpa_in=None):
     eager's and the same converted model's with that attention on torch's SDPA: a model whose
     attention transformers runs only as eager softmax code has no "sdpa" of its own, and on the
     gradients that cancel in exact arithmetic (the key bias's) every flash-style backward, torch's
-    SDPA's included, is several times eager's error (ARCHITECTURE.md, "Numerical policy")."""
+    SDPA's included, is several times eager's error (ARCHITECTURE.md, "Numerical policy").
+    `reference`: model -> the fp64 model to judge against (default: the model in fp64)."""
     at = inputs if callable(inputs) else (lambda dtype: inputs)
     bf16 = torch.bfloat16
     out, grads = run(ff.convert(copy.deepcopy(model).to(bf16)).model, at(bf16))
@@ -70,7 +71,8 @@ def assert_bf16_error_ratio(model, inputs, run=run_with_grads, sdpa_in=None):
             lows.append(run(ff.convert(copy.deepcopy(model).to(bf16)).model, at(bf16)))
         finally:
             sdpa_in.attention = kernel
-    ref, ref_grads = run(copy.deepcopy(model).double(), at(torch.float64))
+    exact = reference(model) if reference is not None else copy.deepcopy(model).double()
+    ref, ref_grads = run(exact, at(torch.float64))
 
     def worst(ref, torch_results):
         return max(torch_results, key=lambda t: (t.double() - ref).abs().max().item())

@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from hf_encoder_checks import run_with_grads, spy_attention, spy_lengths
+from hf_encoder_checks import assert_bf16_error_ratio, run_with_grads, spy_attention, spy_lengths
 from oracle import assert_model_matches
 
 transformers = pytest.importorskip("transformers", reason="needs transformers")
@@ -155,18 +155,8 @@ def test_led_encoder_on_the_kernels_matches_fp64(case):
 
 def test_longformer_bf16_against_the_oracle():
     """bf16: outputs and every gradient within 3x (outputs 2x) of bf16 eager's own error where
-    eager's gradients are finite, against fp64."""
-    from oracle import GRAD_FACTOR, LOWP_ATOL, OUT_FACTOR, assert_lowp_rule
-    model = _longformer()
-    inputs = _inputs(*CASES["aligned"])
-    out, grads = run_with_grads(ff.convert(copy.deepcopy(model).to(torch.bfloat16)).model, inputs)
-    low, low_grads = run_with_grads(copy.deepcopy(model).to(torch.bfloat16), inputs)
-    ref, ref_grads = run_with_grads(_oracle(model), inputs)
-    atol = LOWP_ATOL[torch.bfloat16]
-    assert_lowp_rule("out", out, ref, low, OUT_FACTOR, atol * ref.abs().max().item())
-    for n, r in ref_grads.items():
-        if r is not None:
-            assert_lowp_rule(f"d{n}", grads[n], r, low_grads[n], GRAD_FACTOR, atol * r.abs().max().item())
+    eager's gradients are finite, against the fp64 oracle."""
+    assert_bf16_error_ratio(_longformer(), _inputs(*CASES["aligned"]), reference=_oracle)
 
 
 def test_longformer_output_attentions_runs_the_original():
