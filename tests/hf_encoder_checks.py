@@ -46,8 +46,13 @@ def run_with_grads(model, inputs, output=lambda out: out.last_hidden_state):
     return out.detach(), dict(zip(names, grads))
 
 
-def _torch_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, scale=None):
-    """ff.attention's call as the integrations make it, on torch's own SDPA."""
+def _torch_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, scale=None, key_padding_mask=None):
+    """ff.attention's call as the integrations make it, on torch's own SDPA (a key padding mask,
+    True = padding, joined to attn_mask)."""
+    if key_padding_mask is not None:
+        keep = ~key_padding_mask[:, None, None, :]
+        attn_mask = keep if attn_mask is None else (attn_mask.masked_fill(~keep, float("-inf"))
+                                                    if attn_mask.is_floating_point() else attn_mask & keep)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)
 
 

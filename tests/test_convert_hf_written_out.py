@@ -1,9 +1,10 @@
 """BERT's, ViT's, BART's and GPT-2's attention written out in a family's own code (TAPAS,
-RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, Bark, OpenAI GPT, XLM, FlauBERT:
-integrations/hf_written_out.py), converted onto ff.attention with the model's mask, against the
-unconverted model run in fp64: the hidden states at every position (one row right-padded) and
-every parameter's gradient, with 4 and 6 heads; bf16 by the error-ratio rule; output_attentions
-(the original). The decoders: RemBERT's and Megatron-BERT's causal LMs, BLIP's captioner and
+RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, RoFormer, LXMERT, BLIP, TrOCR, Bark, OpenAI GPT,
+XLM, FlauBERT: integrations/hf_written_out.py), converted onto ff.attention with the model's mask,
+against the unconverted model run in fp64: the hidden states at every position (one row
+right-padded) and every parameter's gradient, with 4 and 6 heads; bf16 by the error-ratio rule;
+output_attentions (the original). The decoders: RemBERT's, Megatron-BERT's and RoFormer's causal
+LMs, BLIP's captioner and
 TrOCR's reader (vision encoder, text decoder with cross-attention) in logits and gradients, and
 greedy generation through the caches token for token, with the keys each step attends to;
 Bark's causal model step by step through its cache."""
@@ -27,12 +28,18 @@ FAMILIES = {"tapas": ("TapasConfig", "TapasModel", "TapasSelfAttention", {}),
                         dict(input_embedding_size=32, output_embedding_size=32)),
             "megatron_bert": ("MegatronBertConfig", "MegatronBertModel", "MegatronBertSelfAttention", {}),
             "visual_bert": ("VisualBertConfig", "VisualBertModel", "VisualBertSelfAttention", {}),
-            "flava_text": ("FlavaTextConfig", "FlavaTextModel", "FlavaSelfAttention", {})}
+            "flava_text": ("FlavaTextConfig", "FlavaTextModel", "FlavaSelfAttention", {}),
+            # RoFormer: its interleaved rotary on queries and keys (and values) through ff.apply_rotary
+            "roformer": ("RoFormerConfig", "RoFormerModel", "RoFormerSelfAttention", {}),
+            "roformer-rotary-value": ("RoFormerConfig", "RoFormerModel", "RoFormerSelfAttention",
+                                      dict(rotary_value=True))}
 # the layers whose feed-forward chunk is BERT's: ff.ffn + ff.add_layer_norm
-LAYERS = {"tapas": "TapasLayer", "rembert": "RemBertLayer", "visual_bert": "VisualBertLayer"}
+LAYERS = {"tapas": "TapasLayer", "rembert": "RemBertLayer", "visual_bert": "VisualBertLayer",
+          "roformer": "RoFormerLayer", "roformer-rotary-value": "RoFormerLayer"}
 CAUSAL_LMS = {"rembert": ("RemBertConfig", "RemBertForCausalLM",
                           dict(input_embedding_size=32, output_embedding_size=32)),
-              "megatron_bert": ("MegatronBertConfig", "MegatronBertForCausalLM", {})}
+              "megatron_bert": ("MegatronBertConfig", "MegatronBertForCausalLM", {}),
+              "roformer": ("RoFormerConfig", "RoFormerForCausalLM", {})}  # the rotary's positions past the cache
 
 
 def _sharpened(model):
@@ -72,9 +79,47 @@ def test_written_out_attention_bf16_error_ratio(family):
     assert_bf16_error_ratio(_model(family), encoder_inputs(), sdpa_in=hf_written_out)
 
 
-@pytest.mark.parametrize("family", ["tapas", "rembert", "visual_bert"])
+@pytest.mark.parametrize("family", ["tapas", "rembert", "visual_bert", "roformer"])
 def test_written_out_attention_output_attentions_runs_the_original(family):
     assert_output_attentions_match(_model(family), 2)
+
+
+def _lxmert():
+    t = transformers
+    config = t.LxmertConfig(vocab_size=97, hidden_size=64, num_attention_heads=4, intermediate_size=48, l_layers=2,
+                            x_layers=1, r_layers=1, visual_feat_dim=12, visual_pos_dim=4, hidden_dropout_prob=0.0,
+                            attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    return _sharpened(t.LxmertModel(config))
+
+
+def _lxmert_inputs(dtype=torch.float32):
+    """Text (one row padded) and 7 image regions' features and boxes (one row's last 2 masked)."""
+    g = torch.Generator().manual_seed(3)
+    return dict(encoder_inputs(), visual_feats=torch.randn(2, 7, 12, generator=g).to(dtype),
+                visual_pos=torch.rand(2, 7, 4, generator=g).to(dtype),
+                visual_attention_mask=torch.tensor([[1] * 7, [1] * 5 + [0] * 2]))
+
+
+def _lxmert_outputs_with_grads(model, inputs):
+    return run_with_grads(model, inputs, output=lambda out: torch.cat([out.language_output, out.vision_output], 1))
+
+
+def test_lxmert_attention_on_the_kernels_matches_fp64(monkeypatch):
+    """LXMERT: the language and vision encoders' self-attention and the cross-modality layer's
+    cross-attention (each way, one module) on the kernels, each with its own padding mask."""
+    model = _lxmert()
+    report = ff.convert(model, inplace=False)
+    assert [r[1] for r in report.replaced].count("LxmertAttention") == 6, str(report)  # 2 + 1 + (1 cross + 2 self)
+    lengths = spy_lengths(monkeypatch, hf_written_out)
+    out, grads = _lxmert_outputs_with_grads(report.model, _lxmert_inputs())
+    assert sorted(lengths) == sorted([(23, 23)] * 3 + [(7, 7)] * 2 + [(23, 7), (7, 23)])
+    ref, ref_grads = _lxmert_outputs_with_grads(copy.deepcopy(model).double(), _lxmert_inputs(torch.float64))
+    assert_model_matches(out, grads, ref, ref_grads)
+
+
+def test_lxmert_bf16_error_ratio():
+    assert_bf16_error_ratio(_lxmert(), _lxmert_inputs, run=_lxmert_outputs_with_grads, sdpa_in=hf_written_out)
 
 
 def _causal_lm(family):

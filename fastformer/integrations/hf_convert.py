@@ -517,11 +517,11 @@ def _convert_bert_form_add_norm(m: nn.Module) -> Optional[str]:
 
 
 # The layers around the written-out BERT attention (hf_written_out.py: TAPAS, RemBERT, VisualBERT,
-# BLIP's text decoder; Longformer's, hf_longformer.py): their forwards are not BertLayer's
-# (cross-attention, their own outputs), their feed-forward chunks are (Longformer's named
-# ff_chunk), converted where the chunk, intermediate and output are BERT's.
+# BLIP's text decoder, RoFormer; Longformer's, hf_longformer.py): their forwards are not
+# BertLayer's (cross-attention, rotary tables, their own outputs), their feed-forward chunks are
+# (Longformer's named ff_chunk), converted where the chunk, intermediate and output are BERT's.
 _CONVERTERS.update({name: _convert_bert_form_layer for name in ("TapasLayer", "RemBertLayer", "VisualBertLayer",
-                                                                "BlipTextLayer")})
+                                                                "BlipTextLayer", "RoFormerLayer")})
 _CONVERTERS["LongformerLayer"] = lambda m: _convert_bert_form_layer(m, "ff_chunk", _LongformerLayer)
 
 

@@ -9,7 +9,8 @@ instruction (hf_rotary.class_form):
   post-norm (BART)    x = LN_a(x + drop(attn(x))); [x = LN_c(x + drop(cross(x)))];
                       x = LN_f(x + drop(fc2(drop_act(act(fc1(x))))))
                       BART, Marian, PLBart, BlenderbotSmall, Informer, TimeSeriesTransformer;
-                      TrOCR's decoder (by name: it returns a tuple)
+                      TrOCR's decoder (by name: it returns a tuple); FSMT's layers (by name
+                      and module: fairseq's (L, B, E) activations and masks)
   pre-norm (Whisper)  x = x + drop(attn(LN_a(x))); [x = x + drop(cross(LN_c(x)))];
                       x = x + drop(fc2(drop_act(act(fc1(LN_f(x))))))
                       encoders of Whisper, mBART, Pegasus, M2M100 / NLLB, Blenderbot,
@@ -143,6 +144,36 @@ class _TupleBartFormDecoderLayer(_BartFormDecoderLayer):
                                cache, kwargs),)
 
 
+class _FSMTEncoderLayer(_BartFormEncoderLayer):
+    """FSMT's encoder layer: BART's post-norm computation on fairseq's (L, B, E) activations, the
+    padding as a bool key mask; returns (x, None)."""
+
+    def forward(self, x, encoder_padding_mask, output_attentions=False):
+        if output_attentions or x.dtype == torch.float16:
+            return self._fastformer_original.forward(self, x, encoder_padding_mask, output_attentions)
+        h, _ = self.self_attn(query=x, key=x, key_padding_mask=encoder_padding_mask)
+        x = layer_norm_added(self.self_attn_layer_norm, _drop(self, h), x)
+        return layer_norm_added(self.final_layer_norm, _feed_forward(self, x), x), None
+
+
+class _FSMTDecoderLayer(_BartFormDecoderLayer):
+    """FSMT's decoder layer: BART's post-norm computation on (L, B, E), the cache as layer_state;
+    returns (x, None, None)."""
+
+    def forward(self, x, encoder_hidden_states, encoder_attn_mask=None, layer_state=None, causal_mask=None,
+                decoder_padding_mask=None, output_attentions=False, **kwargs):
+        if output_attentions or x.dtype == torch.float16:
+            return self._fastformer_original.forward(self, x, encoder_hidden_states, encoder_attn_mask, layer_state,
+                                                     causal_mask, decoder_padding_mask, output_attentions, **kwargs)
+        h, _ = self.self_attn(query=x, key=x, layer_state=layer_state, key_padding_mask=decoder_padding_mask,
+                              attn_mask=causal_mask)
+        x = layer_norm_added(self.self_attn_layer_norm, _drop(self, h), x)
+        h, _ = self.encoder_attn(query=x, key=encoder_hidden_states, key_padding_mask=encoder_attn_mask,
+                                 layer_state=layer_state)
+        x = layer_norm_added(self.encoder_attn_layer_norm, _drop(self, h), x)
+        return layer_norm_added(self.final_layer_norm, _feed_forward(self, x), x), None, None
+
+
 def _cache(cache, kwargs: dict):
     """The cache under its deprecated name too (the originals' decorator renames
     past_key_values to cache before their body runs; the converted forward is not decorated)."""
@@ -176,9 +207,16 @@ def seq2seq_forms(class_form: Callable, swap: Callable) -> dict:
 
 
 def seq2seq_named(swap: Callable) -> dict:
-    """{class name: its converter}: layers of a BART form whose forward differs in what it
-    returns (TrOCR's: a tuple)."""
-    return {"TrOCRDecoderLayer": _converter(_TupleBartFormDecoderLayer, swap)}
+    """{class name: its converter}: layers of a BART form whose forward differs in its signature
+    or what it returns (TrOCR's: a tuple; FSMT's: (L, B, E) activations, fairseq's masks)."""
+    def fsmt(mixin):
+        def convert(m) -> Optional[str]:
+            if not type(m).__module__.startswith("transformers.models.fsmt."):
+                return "not FSMT's layer"
+            return _converter(mixin, swap)(m)
+        return convert
+    return {"TrOCRDecoderLayer": _converter(_TupleBartFormDecoderLayer, swap),
+            "EncoderLayer": fsmt(_FSMTEncoderLayer), "DecoderLayer": fsmt(_FSMTDecoderLayer)}
 
 
 __all__ = ["seq2seq_forms", "seq2seq_named"]

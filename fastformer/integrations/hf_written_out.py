@@ -1,7 +1,7 @@
 """ff.convert for BERT's, ViT's, BART's and GPT-2's attention written out in a family's own code:
-TAPAS, RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP (its text encoder / decoder and its
-vision encoder), TrOCR's and LED's decoders, Bark's three GPT-style models, OpenAI GPT, XLM and
-FlauBERT.
+TAPAS, RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, LXMERT, RoFormer, BLIP (its text encoder /
+decoder and its vision encoder), TrOCR's and LED's decoders, MVP, FSMT, Bark's three GPT-style
+models, OpenAI GPT, XLM and FlauBERT.
 
 These families copy BERT's self-attention from before transformers' attention interface and
 were never moved onto it, so ``attn_implementation`` does not reach them: each layer forms the
@@ -21,7 +21,14 @@ text decoder of the OCR models, on a ViT / DeiT / BEiT encoder through VisionEnc
 is BART's: q scaled, (B * H, Lq, Lk) bmm scores plus the decoder's causal mask or the encoder's
 padding mask, the same cache handling as BLIP's; its layers are BART's post-norm form
 (hf_seq2seq_forms.py). LED's decoder attention is the same code returning the cache third
-(LED's encoder: hf_longformer.py).
+(LED's encoder: hf_longformer.py); MVP's the same with its layers' prompt keys / values ahead of
+the keys (always visible: zeros ahead in the mask). FSMT's (``Attention`` of fairseq's WMT
+models) is the same on (L, B, E) activations, with the padding as a bool (B, Lk) key mask (True
+= padding) and the decoder's causal mask as a float (L, L) one. RoFormer's is BERT's with its
+interleaved rotary applied to the self-attention's queries and keys (and values with
+``rotary_value``) on ``ff.apply_rotary`` before the cache, from the model's (L, D) table of
+sines and cosines; LXMERT's is BERT's with the keys from a ``context`` (the other modality in
+its cross-attention).
 
 Bark's (``BarkSelfAttention``: the semantic and coarse models causal by a lower-triangular
 (block, block) buffer sliced bottom-right against the cache, the fine model not) is GPT-2's:
@@ -33,30 +40,46 @@ underflows to 0), with the padding mask. XLM's and FlauBERT's (``MultiHeadAttent
 ff.attention's bool mask as it is; their cross-attention (XLM as a decoder of another encoder)
 runs the original.
 
-What each returns is the original's: RemBERT, Megatron-BERT, BLIP, TrOCR and Bark (output,
-probabilities) on every call (the converted forward returns (output, None): the layers read the
-probabilities only when they are asked for), LED's decoder the cache third; TAPAS, VisualBERT,
-FLAVA, ViLT, XLM and FlauBERT (output,), with the cache after it in a TAPAS decoder; OpenAI GPT
-[output]. The
+What each returns is the original's: RemBERT, Megatron-BERT, RoFormer, BLIP, TrOCR, MVP, FSMT
+and Bark (output, probabilities) on every call (the converted forward returns (output, None):
+the layers read the probabilities only when they are asked for), LED's decoder the cache third;
+TAPAS, VisualBERT, FLAVA, ViLT, LXMERT, XLM and FlauBERT (output,), with the cache after it in a
+TAPAS decoder; OpenAI GPT [output]. The
 original forward runs when the probabilities are wanted (``output_attentions``, or transformers'
 output recorder collecting them: BLIP) and for activations in another dtype than the weights.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..ops.attention import attention
+from ..ops.rotary import apply_rotary
 from .hf_own_attention import _weights_wanted
 
 
-def _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs, key, value, head_dim):
+def _batch_first_heads(x, head_dim):
+    """(B, L, H * D) -> (B, H, L, D), a view."""
+    return x.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+
+
+def _time_first_heads(x, head_dim):
+    """fairseq's (L, B, H * D) -> (B, H, L, D), a view."""
+    return x.view(x.shape[0], x.shape[1], -1, head_dim).permute(1, 2, 0, 3)
+
+
+def _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs, key, value, head_dim,
+                 heads=_batch_first_heads, rotate=None):
     """(k, v) as (B, H, Lk, D) from the projections key / value, through the cache as the
     original's forward handles it: the self-attention's keys appended, the cross-attention's
-    computed from the encoder states once and read back after."""
+    computed from the encoder states once and read back after. `heads` splits a projection's
+    output into heads; `rotate(k, v)` turns new self-attention keys / values before they are
+    cached (RoFormer's rotary)."""
     cross = encoder_hidden_states is not None
     current = encoder_hidden_states if cross else hidden_states
     layer_cache, updated = cache, False
@@ -66,8 +89,9 @@ def _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs, ke
     if cross and cache is not None and updated:
         layer = layer_cache.layers[module.layer_idx]
         return layer.keys, layer.values
-    shape = (*current.shape[:-1], -1, head_dim)
-    k, v = key(current).view(shape).transpose(1, 2), value(current).view(shape).transpose(1, 2)
+    k, v = heads(key(current), head_dim), heads(value(current), head_dim)
+    if rotate is not None and not cross:
+        k, v = rotate(k, v)
     if cache is not None:
         k, v = layer_cache.update(k, v, module.layer_idx, kwargs=kwargs)
         if cross and hasattr(cache, "self_attention_cache"):
@@ -75,14 +99,27 @@ def _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs, ke
     return k, v
 
 
-def _context(module, hidden_states, attention_mask, encoder_hidden_states=None, cache=None, kwargs=None):
-    """BERT's self-attention context (B, Lq, H * D) on ff.attention."""
+def _context(module, hidden_states, attention_mask, encoder_hidden_states=None, cache=None, kwargs=None,
+             rotary=None):
+    """BERT's self-attention context (B, Lq, H * D) on ff.attention. `rotary`: (cos, sin, values
+    too) for RoFormer's interleaved rotary of the self-attention's queries and keys (and values)."""
     d = module.attention_head_size
-    q = module.query(hidden_states).view(*hidden_states.shape[:-1], -1, d).transpose(1, 2)
-    k, v = _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs or {}, module.key, module.value, d)
+    q = _batch_first_heads(module.query(hidden_states), d)
+    rotate = None
+    if rotary is not None:
+        cos, sin, values_too = rotary
+        q = apply_rotary(q, cos, sin, interleaved=True)
+        rotate = functools.partial(_rotate_keys, cos=cos, sin=sin, values_too=values_too)
+    k, v = _cached_keys(module, hidden_states, encoder_hidden_states, cache, kwargs or {}, module.key, module.value, d,
+                        rotate=rotate)
     p = module.dropout.p if module.training else 0.0
     context = attention(q, k, v, attn_mask=_in_dtype(attention_mask, q), dropout_p=p, scale=1.0 / math.sqrt(d))
-    return context.transpose(1, 2).reshape(*hidden_states.shape[:-1], module.all_head_size)
+    return context.transpose(1, 2).reshape(*hidden_states.shape[:-1], module.query.out_features)
+
+
+def _rotate_keys(k, v, *, cos, sin, values_too):
+    return apply_rotary(k, cos, sin, interleaved=True), (apply_rotary(v, cos, sin, interleaved=True)
+                                                         if values_too else v)
 
 
 def _in_dtype(mask, q):
@@ -128,6 +165,38 @@ class BertEncoderSelfAttentionMixin:
         return (_context(self, hidden_states, attention_mask),)
 
 
+class RoFormerSelfAttentionMixin:
+    """RoFormer's self- and cross-attention: BERT's, with the self-attention's queries and keys (and
+    values, with ``rotary_value``) turned by its interleaved rotary on ff.apply_rotary before the
+    cache; (context, probabilities)."""
+    _ff_what = "ff.attention + ff.apply_rotary (interleaved; the model's mask; no (B, H, Lq, Lk) scores)"
+
+    def forward(self, hidden_states, attention_mask=None, sinusoidal_pos=None, encoder_hidden_states=None,
+                cache=None, output_attentions=False, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)
+        if _runs_original(self, hidden_states, kwargs, output_attentions) \
+                or (sinusoidal_pos is not None and (sinusoidal_pos.dim() != 4 or sinusoidal_pos.shape[:2] != (1, 1))):
+            return super().forward(hidden_states, attention_mask, sinusoidal_pos, encoder_hidden_states, cache,
+                                   output_attentions, **kwargs)
+        rotary = None
+        if sinusoidal_pos is not None and encoder_hidden_states is None:
+            table = sinusoidal_pos[0, 0].float() if sinusoidal_pos.dtype != torch.float64 else sinusoidal_pos[0, 0]
+            sin, cos = table.chunk(2, dim=-1)  # one (L, D / 2) row of angles per position, sines first
+            rotary = (cos.contiguous(), sin.contiguous(), self.rotary_value)
+        return _context(self, hidden_states, attention_mask, encoder_hidden_states, cache, kwargs, rotary), None
+
+
+class LxmertAttentionMixin:
+    """LXMERT's attention (``LxmertAttention``: the language and vision self-attentions and their
+    cross-attention, keys from ``context``): (context,)."""
+    _ff_what = BertPairSelfAttentionMixin._ff_what
+
+    def forward(self, hidden_states, context, attention_mask=None, output_attentions=False):
+        if output_attentions or hidden_states.dtype != self.query.weight.dtype:
+            return super().forward(hidden_states, context, attention_mask, output_attentions)
+        return (_context(self, hidden_states, attention_mask, context),)
+
+
 class BlipTextSelfAttentionMixin:
     """BLIP's text self- and cross-attention: (context, probabilities) on every call."""
     _ff_what = BertPairSelfAttentionMixin._ff_what
@@ -163,12 +232,23 @@ class TrOCRAttentionMixin:
     def forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None,
                 output_attentions=False, **kwargs):
         cache = kwargs.pop("past_key_values", cache)
-        if output_attentions or _weights_wanted(kwargs) or hidden_states.dtype != self.q_proj.weight.dtype:
+        if self._ff_runs_original(hidden_states, output_attentions, kwargs):
             return super().forward(hidden_states, key_value_states, cache, attention_mask, output_attentions, **kwargs)
+        return self._ff_attend(hidden_states, key_value_states, cache, attention_mask, kwargs)
+
+    def _ff_runs_original(self, hidden_states, output_attentions, kwargs) -> bool:
+        return output_attentions or _weights_wanted(kwargs) or hidden_states.dtype != self.q_proj.weight.dtype
+
+    def _ff_attend(self, hidden_states, key_value_states, cache, attention_mask, kwargs, prompt=None):
         batch, length, width = hidden_states.shape
-        q = self.q_proj(hidden_states).view(batch, length, -1, self.head_dim).transpose(1, 2)
+        q = _batch_first_heads(self.q_proj(hidden_states), self.head_dim)
         k, v = _cached_keys(self, hidden_states, key_value_states, cache, kwargs, self.k_proj, self.v_proj,
                             self.head_dim)
+        if prompt is not None:  # MVP's prompt keys / values ahead of the others, always visible
+            k = torch.cat([prompt[0].expand(batch, -1, -1, -1), k], dim=2)
+            v = torch.cat([prompt[1].expand(batch, -1, -1, -1), v], dim=2)
+            if attention_mask is not None:
+                attention_mask = F.pad(attention_mask, (prompt[0].shape[-2], 0))
         p = self.dropout if self.training else 0.0
         context = attention(q, k, v, attn_mask=_in_dtype(attention_mask, q), dropout_p=p, scale=self.scaling)
         out = self.out_proj(context.transpose(1, 2).reshape(batch, length, width))
@@ -179,6 +259,42 @@ class LEDDecoderAttentionMixin(TrOCRAttentionMixin):
     """LED's decoder attention: TrOCR's code, returning (output, probabilities, cache)."""
     _ff_returns_cache = True
 
+
+class MvpAttentionMixin(TrOCRAttentionMixin):
+    """MVP's attention: TrOCR's code with the layer's prompt keys / values (``attn_prompt``, with
+    ``use_prompt``) prepended to the keys, and zeros to the model's additive mask."""
+
+    def forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, attn_prompt=None,
+                output_attentions=False, **kwargs):
+        cache = kwargs.pop("past_key_values", cache)
+        if self._ff_runs_original(hidden_states, output_attentions, kwargs) \
+                or (attn_prompt is not None and attention_mask is not None and not attention_mask.is_floating_point()):
+            return super(TrOCRAttentionMixin, self).forward(hidden_states, key_value_states, cache, attention_mask,
+                                                            attn_prompt, output_attentions, **kwargs)
+        return self._ff_attend(hidden_states, key_value_states, cache, attention_mask, kwargs, attn_prompt)
+
+
+class FSMTAttentionMixin:
+    """FSMT's attention (fairseq's, (L, B, E) activations): the padding as a bool (B, Lk) key mask
+    (True = padding), the decoder's causal mask as a float (L, L) one (finfo.min above the
+    diagonal); (output, probabilities). A row whose every key is padding gets zeros here where the
+    original averages the padding's values."""
+    _ff_what = "ff.attention (its key padding and causal masks; no (B * H, Lq, Lk) scores)"
+
+    def forward(self, query, key, key_padding_mask=None, layer_state=None, attn_mask=None, output_attentions=False,
+                **kwargs):
+        if output_attentions or _weights_wanted(kwargs) or query.dtype != self.q_proj.weight.dtype:
+            return super().forward(query, key, key_padding_mask, layer_state, attn_mask, output_attentions, **kwargs)
+        length, batch, width = query.shape
+        q = _time_first_heads(self.q_proj(query), self.head_dim)
+        k, v = _cached_keys(self, query, key if self.encoder_decoder_attention else None, layer_state, kwargs,
+                            self.k_proj, self.v_proj, self.head_dim, heads=_time_first_heads)
+        if key_padding_mask is not None and key_padding_mask.dim() == 0:  # the original's "no mask"
+            key_padding_mask = None
+        p = self.dropout if self.training else 0.0
+        context = attention(q, k, v, key_padding_mask=key_padding_mask, attn_mask=_in_dtype(attn_mask, q),
+                            dropout_p=p, scale=self.scaling)
+        return self.out_proj(context.permute(2, 0, 1, 3).reshape(length, batch, width)), None
 
 
 def convert_trocr_attention(m: nn.Module, swap, mixin: type = TrOCRAttentionMixin) -> Optional[str]:
@@ -288,7 +404,7 @@ def convert_xlm_attention(m: nn.Module, swap) -> Optional[str]:
     return None
 
 
-_BERT_FIELDS = ("query", "key", "value", "dropout", "attention_head_size", "all_head_size")
+_BERT_FIELDS = ("query", "key", "value", "dropout", "attention_head_size")
 
 
 def _bert_form(m: nn.Module, *fields: str) -> Optional[str]:
@@ -297,7 +413,8 @@ def _bert_form(m: nn.Module, *fields: str) -> Optional[str]:
         return f"not BERT's written-out self-attention (no {', '.join(missing)})"
     if not all(isinstance(getattr(m, f), nn.Linear) for f in _BERT_FIELDS[:3]) or not isinstance(m.dropout, nn.Dropout):
         return "its query / key / value are not nn.Linear, or its dropout not nn.Dropout"
-    if m.query.out_features != m.all_head_size or m.all_head_size % m.attention_head_size:
+    width = getattr(m, "all_head_size", getattr(m, "head_size", None))  # LXMERT's: head_size
+    if m.query.out_features != width or width % m.attention_head_size:
         return "its projections' widths are not heads x head size"
     return None
 
@@ -319,6 +436,18 @@ def convert_blip_vision_attention(m: nn.Module, swap) -> Optional[str]:
     return None
 
 
+_FSMT = "transformers.models.fsmt."
+
+
+def convert_fsmt_attention(m: nn.Module, swap) -> Optional[str]:
+    if not all(isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "out_proj")) \
+            or not isinstance(getattr(m, "scaling", None), float) or not isinstance(getattr(m, "dropout", None), float) \
+            or not isinstance(getattr(m, "encoder_decoder_attention", None), bool):
+        return "not FSMT's attention form (q / k / v / out projections, a float scaling and dropout)"
+    swap(m, FSMTAttentionMixin)
+    return None
+
+
 # class name -> converter(module, swap) -> why not, or None (registered in hf_own_attention.OWN_ATTENTION)
 WRITTEN_OUT_ATTENTION = {
     "RemBertSelfAttention": _converter(BertPairSelfAttentionMixin, "layer_idx"),
@@ -333,7 +462,11 @@ WRITTEN_OUT_ATTENTION = {
     "LEDDecoderAttention": lambda m, swap: convert_trocr_attention(m, swap, LEDDecoderAttentionMixin),
     "BarkSelfAttention": convert_bark_attention,
     "MultiHeadAttention": convert_xlm_attention,  # XLM's and FlauBERT's (CTRL's is another form)
-    "Attention": convert_openai_gpt_attention,  # OpenAI GPT's
+    "RoFormerSelfAttention": _converter(RoFormerSelfAttentionMixin, "layer_idx", "rotary_value"),
+    "LxmertAttention": _converter(LxmertAttentionMixin),
+    "MvpAttention": lambda m, swap: convert_trocr_attention(m, swap, MvpAttentionMixin),
+    "Attention": lambda m, swap: (convert_fsmt_attention(m, swap) if type(m).__module__.startswith(_FSMT)
+                                  else convert_openai_gpt_attention(m, swap)),  # FSMT's or OpenAI GPT's
 }
 
 __all__ = ["WRITTEN_OUT_ATTENTION"]
