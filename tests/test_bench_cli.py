@@ -231,10 +231,10 @@ def test_decode_generate_candidates_are_what_their_names_say(monkeypatch):
     assert fns["ours"]().shape == (2, 7)
 
 
-def test_decode_image_generate_candidates_are_what_their_names_say(monkeypatch):
-    """The image-to-text generate cases (small stand-ins of the models suite's BLIP and TrOCR
-    configs): sdpa is the model unconverted (TrOCR's ViT encoder on sdpa), ours converted, and
-    both caption alike."""
+def test_decode_encoder_decoder_generate_candidates_are_what_their_names_say(monkeypatch):
+    """The encoder-decoder generate cases (small stand-ins of the models suite's BLIP, TrOCR and
+    FSMT configs): sdpa is the model unconverted (TrOCR's ViT encoder on sdpa), ours converted,
+    and both caption / translate alike."""
     t = pytest.importorskip("transformers", reason="needs transformers")
     from fastformer.benchmarks import decode, models
     vit = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -249,11 +249,16 @@ def test_decode_image_generate_candidates_are_what_their_names_say(monkeypatch):
                             decoder=t.TrOCRConfig(vocab_size=97, d_model=32, decoder_layers=1,
                                                   decoder_attention_heads=2, decoder_ffn_dim=48,
                                                   cross_attention_hidden_size=32,
-                                                  decoder_start_token_id=2, pad_token_id=1).to_dict()), 1, 1)}
+                                                  decoder_start_token_id=2, pad_token_id=1).to_dict()), 1, 1),
+             "fsmt": (t.FSMTConfig, t.FSMTForConditionalGeneration,
+                      dict(langs=["en", "de"], src_vocab_size=97, tgt_vocab_size=97, d_model=32, encoder_layers=1,
+                           decoder_layers=1, encoder_attention_heads=2, decoder_attention_heads=2,
+                           encoder_ffn_dim=48, decoder_ffn_dim=48), 1, 1)}
     monkeypatch.setattr(models, "_configs", lambda: small)
-    for name, attention in (("blip", "BlipTextSelfAttention"), ("trocr", "TrOCRAttention")):
-        c = dict(kind="image_generate", model=name, dtype=torch.float32, device="cpu", mode="inference", batch=2,
-                 new_tokens=3)
+    for name, attention, source in (("blip", "BlipTextSelfAttention", {}), ("trocr", "TrOCRAttention", {}),
+                                    ("fsmt", "Attention", dict(source=7))):
+        c = dict(kind="encoder_decoder_generate", model=name, dtype=torch.float32, device="cpu", mode="inference",
+                 batch=2, new_tokens=3, **source)
         fns, row, error = decode.build(c)
         models_by_name = {n: fn.__defaults__[0] for n, fn in fns.items()}
         kinds = {n: {type(m).__name__ for m in model.modules() if hasattr(type(m), "_ff_what")}
