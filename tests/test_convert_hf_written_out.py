@@ -3,7 +3,8 @@ RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, RoFormer, LXMERT, BLIP, TrOCR, 
 XLM, FlauBERT: integrations/hf_written_out.py), converted onto ff.attention with the model's mask,
 against the unconverted model run in fp64: the hidden states at every position (one row
 right-padded) and every parameter's gradient, with 4 and 6 heads; bf16 by the error-ratio rule;
-output_attentions (the original). The decoders: RemBERT's, Megatron-BERT's and RoFormer's causal
+output_attentions (the original). Table Transformer (DETR's attention written out) on a small
+ResNet backbone, its image padding as the encoder's and the cross-attention's mask. The decoders: RemBERT's, Megatron-BERT's and RoFormer's causal
 LMs, BLIP's captioner and
 TrOCR's reader (vision encoder, text decoder with cross-attention) in logits and gradients, and
 greedy generation through the caches token for token, with the keys each step attends to;
@@ -293,6 +294,48 @@ def test_vilt_on_the_kernels_matches_fp64(monkeypatch):
     assert len(calls) == 2 and calls[0]["attn_mask"] is not None
     ref, ref_grads = run(copy.deepcopy(model).double(), torch.float64)
     assert_model_matches(out, grads, ref, ref_grads)
+
+
+def _table_transformer():
+    """Table Transformer's form (DETR's attention written out) on a small ResNet backbone (no timm)."""
+    t = transformers
+    backbone = t.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 32, 64], depths=[1, 1, 1, 1],
+                              out_features=["stage4"])
+    config = t.TableTransformerConfig(use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=backbone,
+                                      d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                                      decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, num_queries=10,
+                                      dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
+    torch.manual_seed(0)
+    return _sharpened(t.TableTransformerModel(config))
+
+
+def _table_inputs(dtype=torch.float32):
+    """2 images of 160 x 224 (5 x 7 feature positions), the second's right 64 columns padding
+    (its last 2 feature columns masked)."""
+    mask = torch.ones(2, 160, 224, dtype=torch.long)
+    mask[1, :, 160:] = 0
+    return dict(pixel_values=torch.randn(2, 3, 160, 224, generator=torch.Generator().manual_seed(1)).to(dtype),
+                pixel_mask=mask)
+
+
+def test_table_transformer_on_the_kernels_matches_fp64(monkeypatch):
+    """Table Transformer: the encoder's self-attention over the 35 feature positions with the
+    image's padding mask, the decoder's over its 10 object queries and its cross-attention to
+    the features, position embeddings on the queries' and keys' inputs only."""
+    model = _table_transformer()
+    report = ff.convert(model, inplace=False)
+    assert [r[1] for r in report.replaced].count("TableTransformerAttention") == 6, str(report)
+    calls = spy_attention(monkeypatch, hf_written_out)
+    lengths = spy_lengths(monkeypatch, hf_written_out)
+    out, grads = run_with_grads(report.model, _table_inputs())
+    assert lengths == [(35, 35)] * 2 + [(10, 10), (10, 35)] * 2
+    assert all(c["attn_mask"] is not None for c in calls[:2] + calls[3::2])  # the padding, where it applies
+    ref, ref_grads = run_with_grads(copy.deepcopy(model).double(), _table_inputs(torch.float64))
+    assert_model_matches(out, grads, ref, ref_grads)
+
+
+def test_table_transformer_bf16_error_ratio():
+    assert_bf16_error_ratio(_table_transformer(), _table_inputs, sdpa_in=hf_written_out)
 
 
 def _bark(causal: bool):

@@ -1,7 +1,7 @@
 """ff.convert for BERT's, ViT's, BART's and GPT-2's attention written out in a family's own code:
 TAPAS, RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, LXMERT, RoFormer, BLIP (its text encoder /
-decoder and its vision encoder), TrOCR's and LED's decoders, MVP, FSMT, Bark's three GPT-style
-models, OpenAI GPT, XLM and FlauBERT.
+decoder and its vision encoder), TrOCR's and LED's decoders, MVP, FSMT, Table Transformer, Bark's
+three GPT-style models, OpenAI GPT, XLM and FlauBERT.
 
 These families copy BERT's self-attention from before transformers' attention interface and
 were never moved onto it, so ``attn_implementation`` does not reach them: each layer forms the
@@ -28,7 +28,9 @@ models) is the same on (L, B, E) activations, with the padding as a bool (B, Lk)
 interleaved rotary applied to the self-attention's queries and keys (and values with
 ``rotary_value``) on ``ff.apply_rotary`` before the cache, from the model's (L, D) table of
 sines and cosines; LXMERT's is BERT's with the keys from a ``context`` (the other modality in
-its cross-attention).
+its cross-attention). Table Transformer's (``TableTransformerAttention``, DETR's before the
+attention interface) adds position embeddings to the queries' and keys' inputs, not the
+values'.
 
 Bark's (``BarkSelfAttention``: the semantic and coarse models causal by a lower-triangular
 (block, block) buffer sliced bottom-right against the cache, the fine model not) is GPT-2's:
@@ -40,8 +42,8 @@ underflows to 0), with the padding mask. XLM's and FlauBERT's (``MultiHeadAttent
 ff.attention's bool mask as it is; their cross-attention (XLM as a decoder of another encoder)
 runs the original.
 
-What each returns is the original's: RemBERT, Megatron-BERT, RoFormer, BLIP, TrOCR, MVP, FSMT
-and Bark (output, probabilities) on every call (the converted forward returns (output, None):
+What each returns is the original's: RemBERT, Megatron-BERT, RoFormer, BLIP, TrOCR, MVP, FSMT,
+Table Transformer and Bark (output, probabilities) on every call (the converted forward returns (output, None):
 the layers read the probabilities only when they are asked for), LED's decoder the cache third;
 TAPAS, VisualBERT, FLAVA, ViLT, LXMERT, XLM and FlauBERT (output,), with the cache after it in a
 TAPAS decoder; OpenAI GPT [output]. The
@@ -305,6 +307,34 @@ def convert_trocr_attention(m: nn.Module, swap, mixin: type = TrOCRAttentionMixi
     return None
 
 
+class DetrAttentionMixin:
+    """Table Transformer's attention (DETR's before transformers' attention interface): position
+    embeddings added to the queries' and keys' inputs (``object_queries``, and
+    ``spatial_position_embeddings`` for the cross-attention's keys), the values from the inputs
+    without them; the model's additive (B, 1, Lq, Lk) mask; (output, probabilities)."""
+    _ff_what = TrOCRAttentionMixin._ff_what
+
+    def forward(self, hidden_states, attention_mask=None, object_queries=None, key_value_states=None,
+                spatial_position_embeddings=None, output_attentions=False):
+        cross = key_value_states is not None
+        if output_attentions or hidden_states.dtype != self.q_proj.weight.dtype \
+                or (attention_mask is not None and attention_mask.dtype == torch.bool) \
+                or (spatial_position_embeddings if cross else object_queries) is None:
+            # (the original reads the inputs it saved before adding those embeddings: without
+            # them it raises, and so does this)
+            return super().forward(hidden_states, attention_mask, object_queries, key_value_states,
+                                   spatial_position_embeddings, output_attentions)
+        batch, length, width = hidden_states.shape
+        queries = hidden_states + object_queries if object_queries is not None else hidden_states
+        keys = key_value_states + spatial_position_embeddings if cross else queries
+        values = key_value_states if cross else hidden_states
+        q, k, v = (_batch_first_heads(proj(x), self.head_dim)
+                   for proj, x in ((self.q_proj, queries), (self.k_proj, keys), (self.v_proj, values)))
+        p = self.dropout if self.training else 0.0
+        context = attention(q, k, v, attn_mask=_in_dtype(attention_mask, q), dropout_p=p, scale=self.scaling)
+        return self.out_proj(context.transpose(1, 2).reshape(batch, length, width)), None
+
+
 class BarkSelfAttentionMixin:
     """Bark's attention (GPT-2's written out): one fused q / k / v projection; its causal models
     (semantic, coarse) mask by a lower-triangular buffer, bottom-right aligned to the cache."""
@@ -465,6 +495,7 @@ WRITTEN_OUT_ATTENTION = {
     "RoFormerSelfAttention": _converter(RoFormerSelfAttentionMixin, "layer_idx", "rotary_value"),
     "LxmertAttention": _converter(LxmertAttentionMixin),
     "MvpAttention": lambda m, swap: convert_trocr_attention(m, swap, MvpAttentionMixin),
+    "TableTransformerAttention": lambda m, swap: convert_trocr_attention(m, swap, DetrAttentionMixin),
     "Attention": lambda m, swap: (convert_fsmt_attention(m, swap) if type(m).__module__.startswith(_FSMT)
                                   else convert_openai_gpt_attention(m, swap)),  # FSMT's or OpenAI GPT's
 }
