@@ -15,7 +15,7 @@ Inference is a forward under torch.no_grad; a training step is forward, the loss
 (gradients dropped before each step, no optimizer). The loss is the LM loss on the inputs for
 CausalLMs, the mean square of the last hidden state otherwise. Batches: every second row padded
 by a quarter for the encoders (BERT, MiniLM, T5's, BART's and FSMT's encoders); none for the decoders,
-ViT, SigLIP and Whisper's audio. Encoder-decoders get half the length as decoder inputs (Whisper:
+ViT, SigLIP and the audio (Whisper, WavLM). Encoder-decoders get half the length as decoder inputs (Whisper:
 an eighth of its encoder positions).
 Sizes are chosen so that the slowest candidate's step stays within seconds on a 2-core CPU;
 the table names them. The max-err column: the largest difference of ours from sdpa's output
@@ -179,6 +179,14 @@ def _configs():
                                            encoder_attention_heads=16, decoder_attention_heads=16,
                                            encoder_ffn_dim=8192, decoder_ffn_dim=8192,
                                            max_position_embeddings=1024), 2, 256),
+        # WavLM-base-plus's form (microsoft/wavlm-base-plus, the speaker-verification / SUPERB
+        # backbone): a gated relative-position bias, its attention on torch's
+        # F.multi_head_attention_forward (no sdpa path: "sdpa" is its own attention); ff.convert:
+        # ff.attention with the gated bias as a float mask (bf16 training: the original attention,
+        # hf_own_attention.py); B clips of 10 s (L = 499 frames)
+        "WavLM-base-plus-style 12x768": (t.WavLMConfig, t.WavLMModel,
+                                         dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                                              intermediate_size=3072, mask_time_prob=0.0), 2, 499),
         "GPT-2 small 12x768": (t.GPT2Config, t.GPT2LMHeadModel, dict(n_embd=768, n_layer=12, n_head=12,
                                 n_positions=1024), 2, 512),
         "T5-small 6+6x512": (t.T5Config, t.T5Model, dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6,
@@ -270,6 +278,8 @@ def _inputs(model, B: int, L: int, device):
                                g, device)
     vocab = (getattr(model.config, "vocab_size", None) or getattr(model.config, "src_vocab_size", None)  # FSMT
              or model.config.input_vocab_size)  # Bark: input_vocab_size
+    if kind.startswith("WavLM"):  # L frames from 320 L samples (the feature encoder's stride)
+        return dict(input_values=torch.randn(B, 320 * L + 80, generator=g).to(device, model.dtype))
     if kind.startswith("Whisper"):  # L encoder positions from 2L mel frames, L / 8 decoder tokens
         features = torch.randn(B, model.config.num_mel_bins, 2 * L, generator=g).to(device, model.dtype)
         return dict(input_features=features, decoder_input_ids=torch.randint(5, vocab, (B, L // 8), generator=g).to(device))

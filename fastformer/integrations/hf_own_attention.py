@@ -2,8 +2,8 @@
 attention interface (``attn_implementation`` never reaches them): BLOOM's and MPT's, their ALiBi
 inside the attention kernels (``alibi_slopes``); Falcon's (its ALiBi as the model's own bias mask,
 its rotary forms); GPT-Neo's (unscaled scores, local layers as a window); XGLM's (BART's attention
-written out); DeBERTa's (hf_deberta.py); MPNet's, its relative-position bias in the kernels
-(hf_mpnet.py).
+written out); WavLM's (its gated relative bias as a float mask); DeBERTa's (hf_deberta.py);
+MPNet's, its relative-position bias in the kernels (hf_mpnet.py).
 
 transformers' ``BloomAttention`` has no attention interface: it forms the (B * H, Lq, Lk)
 scores with ``alibi.baddbmm(q, k^T)`` in the model's dtype, adds the 4-D mask, takes an fp32
@@ -62,6 +62,19 @@ attention calls ``ff.attention(causal="bottom_right", attn_mask=the model's mask
 bounds the tiles the kernels visit) and returns no probabilities; it runs the original when they
 are asked for (the recorder's active collector names them), for cross-attention
 (``key_value_states``: XGLM as a decoder of another encoder) and for mixed dtypes.
+
+WavLM (``WavLMAttention``) gates a T5-style bucketed relative bias per query row (the gate from
+that row's hidden state) into a (B * H, L, L) float mask, then calls torch's
+``F.multi_head_attention_forward``, which always forms and head-averages the probabilities. The
+converted ``torch_multi_head_self_attention`` (the method that receives the gated bias) runs the
+same projections into ``ff.attention(key_padding_mask=the padding, attn_mask=the gated bias as
+(B, H, L, L))``: the bias is the only (L, L) tensor left, and its gradient (to the gate and the
+bucket table) comes from the kernels' backward. Probabilities wanted, mixed dtypes and bf16 / fp16
+with autograd recording run the original: there the gradient of the key projection's bias (0 in
+exact arithmetic) comes out of a flash-style backward at 3.1x bf16 eager's error on a 2-layer
+model (its row sums of dS are the rounding of the stored output; measured at the op level, torch's
+own flash SDPA backward gives the same), and torch's SDPA, which has no flash backward for a bias
+that needs a gradient, runs the math path there with eager's error.
 """
 from __future__ import annotations
 
@@ -208,6 +221,23 @@ class XGLMAttentionMixin:
         return self.out_proj(context.transpose(1, 2).reshape(batch, q_length, self.embed_dim)), None
 
 
+class WavLMAttentionMixin:
+    _ff_what = "ff.attention (the gated relative bias as a float mask; no averaged probabilities)"
+
+    def torch_multi_head_self_attention(self, hidden_states, attention_mask, gated_position_bias):
+        if hidden_states.dtype != self.q_proj.weight.dtype or _weights_wanted({}) \
+                or (torch.is_grad_enabled() and hidden_states.dtype in (torch.bfloat16, torch.float16)):
+            return super().torch_multi_head_self_attention(hidden_states, attention_mask, gated_position_bias)
+        batch, length, width = hidden_states.shape
+        q, k, v = (proj(hidden_states).view(batch, length, self.num_heads, -1).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
+        padding = attention_mask.ne(1) if attention_mask is not None else None
+        bias = gated_position_bias.view(batch, self.num_heads, length, length).to(q.dtype)
+        p = self.dropout if self.training else 0.0
+        context = attention(q, k, v, key_padding_mask=padding, attn_mask=bias, dropout_p=p, scale=self.scaling)
+        return self.out_proj(context.transpose(1, 2).reshape(batch, length, width)), None
+
+
 def _weights_wanted(kwargs) -> bool:
     """Whether the caller reads the attention probabilities: output_attentions passed down, or
     transformers' output recorder collecting them this call (its active collector; the
@@ -297,11 +327,20 @@ def convert_xglm_attention(m: nn.Module, swap) -> Optional[str]:
     return None
 
 
+def convert_wavlm_attention(m: nn.Module, swap) -> Optional[str]:
+    if not all(isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "out_proj")) \
+            or not isinstance(getattr(m, "scaling", None), float) \
+            or not callable(getattr(m, "torch_multi_head_self_attention", None)):
+        return "not WavLM's attention form (q / k / v / out projections, torch_multi_head_self_attention)"
+    swap(m, WavLMAttentionMixin)
+    return None
+
+
 # The attention classes converted here (and MPNet's modules around its attention), by class name:
 # converter(module, swap) -> why not, or None.
 OWN_ATTENTION = {"BloomAttention": convert_bloom_attention, "MptAttention": convert_mpt_attention,
                  "FalconAttention": convert_falcon_attention, "GPTNeoSelfAttention": convert_gpt_neo_attention,
-                 "XGLMAttention": convert_xglm_attention,
+                 "XGLMAttention": convert_xglm_attention, "WavLMAttention": convert_wavlm_attention,
                  "DisentangledSelfAttention": convert_disentangled_attention,  # DeBERTa: hf_deberta.py
                  # MPNet: its attention, and the encoder and layer around it (hf_mpnet.py)
                  "MPNetAttention": convert_mpnet_attention, "MPNetEncoder": convert_mpnet_encoder,
