@@ -19,6 +19,16 @@ def encoder_inputs(L=23):
     return dict(input_ids=ids, attention_mask=mask)
 
 
+def sharpened(model):
+    """`model` with weights of a larger spread (each plus randn x 0.1), in eval mode: at the
+    configs' init (std 0.02) every score is ~0 and the softmax ~uniform, where the scale and the
+    masks barely change the output."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
 def spy_attention(monkeypatch, module):
     """Record the keyword arguments of every call of module.attention (ff.attention there)."""
     calls = []

@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from hf_encoder_checks import assert_bf16_error_ratio, run_with_grads, spy_attention, spy_lengths
+from hf_encoder_checks import assert_bf16_error_ratio, run_with_grads, sharpened, spy_attention, spy_lengths
 from oracle import assert_model_matches
 
 transformers = pytest.importorskip("transformers", reason="needs transformers")
@@ -61,20 +61,13 @@ def _oracle(model):
     return ref
 
 
-def _sharpened(model):
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
-
-
 def _longformer(heads=4):
     t = transformers
     config = t.LongformerConfig(vocab_size=97, hidden_size=16 * heads, num_hidden_layers=2, num_attention_heads=heads,
                                 intermediate_size=48, max_position_embeddings=128, attention_window=[8, 16],
                                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=1)
     torch.manual_seed(0)
-    return _sharpened(t.LongformerModel(config))
+    return sharpened(t.LongformerModel(config))
 
 
 def _led():
@@ -84,7 +77,7 @@ def _led():
                          max_encoder_position_embeddings=128, max_decoder_position_embeddings=64, dropout=0.0,
                          attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1)
     torch.manual_seed(0)
-    return _sharpened(t.LEDModel(config))
+    return sharpened(t.LEDModel(config))
 
 
 def _inputs(length, pad, globals_=(), decoder=False):
@@ -194,7 +187,7 @@ def test_led_summarizes_alike_through_the_cache(monkeypatch):
     torch.manual_seed(1)
     model = t.LEDForConditionalGeneration(base.config)
     model.led.load_state_dict(base.state_dict())
-    model = _sharpened(model)
+    model = sharpened(model)
     model.config.decoder_start_token_id, model.config.eos_token_id = 2, 3
     ours = ff.convert(model, inplace=False).model
     inputs = _inputs(*CASES["global-padded"])

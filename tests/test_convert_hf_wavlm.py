@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from hf_encoder_checks import assert_bf16_error_ratio, run_with_grads, spy_attention
+from hf_encoder_checks import assert_bf16_error_ratio, run_with_grads, sharpened, spy_attention
 from oracle import LOWP_ATOL, OUT_FACTOR, assert_lowp_rule, assert_model_matches
 
 transformers = pytest.importorskip("transformers", reason="needs transformers")
@@ -28,11 +28,7 @@ def _wavlm(stable=False, heads=4):
                                       attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
                                       layerdrop=0.0, mask_time_prob=0.0)
     torch.manual_seed(0)
-    model = transformers.WavLMModel(config)
-    with torch.no_grad():  # a wider spread than the init's, so that the bias and the mask matter
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
+    return sharpened(transformers.WavLMModel(config))
 
 
 def _inputs(dtype=torch.float32):

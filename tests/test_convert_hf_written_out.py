@@ -1,20 +1,20 @@
 """BERT's, ViT's, BART's and GPT-2's attention written out in a family's own code (TAPAS,
-RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, RoFormer, LXMERT, BLIP, TrOCR, Bark, OpenAI GPT,
-XLM, FlauBERT: integrations/hf_written_out.py), converted onto ff.attention with the model's mask,
-against the unconverted model run in fp64: the hidden states at every position (one row
-right-padded) and every parameter's gradient, with 4 and 6 heads; bf16 by the error-ratio rule;
-output_attentions (the original). Table Transformer (DETR's attention written out) on a small
-ResNet backbone, its image padding as the encoder's and the cross-attention's mask. The decoders: RemBERT's, Megatron-BERT's and RoFormer's causal
-LMs, BLIP's captioner and
-TrOCR's reader (vision encoder, text decoder with cross-attention) in logits and gradients, and
-greedy generation through the caches token for token, with the keys each step attends to;
-Bark's causal model step by step through its cache."""
+RemBERT, Megatron-BERT, VisualBERT, FLAVA, ViLT, RoFormer, LXMERT, BLIP, TrOCR, Table
+Transformer, Bark, OpenAI GPT, XLM, FlauBERT: integrations/hf_written_out.py), converted onto
+ff.attention with the model's mask, against the unconverted model run in fp64: the hidden states
+at every position (one row right-padded) and every parameter's gradient, with 4 and 6 heads; bf16
+by the error-ratio rule; output_attentions (the original). Table Transformer (DETR's attention
+written out) on a small ResNet backbone, its image padding as the encoder's and the
+cross-attention's mask. The decoders: RemBERT's, Megatron-BERT's and RoFormer's causal LMs,
+BLIP's captioner and TrOCR's reader (vision encoder, text decoder with cross-attention) in logits
+and gradients, and greedy generation through the caches token for token, with the keys each step
+attends to; Bark's causal model step by step through its cache."""
 import copy
 
 import pytest
 import torch
-from hf_encoder_checks import (assert_bf16_error_ratio, assert_output_attentions_match, encoder_inputs,
-                               run_with_grads, spy_attention, spy_lengths)
+from hf_encoder_checks import (assert_bf16_error_ratio, assert_output_attentions_match, encoder_inputs, run_with_grads,
+                               sharpened, spy_attention, spy_lengths)
 from oracle import assert_model_matches
 
 transformers = pytest.importorskip("transformers", reason="needs transformers")
@@ -43,20 +43,11 @@ CAUSAL_LMS = {"rembert": ("RemBertConfig", "RemBertForCausalLM",
               "roformer": ("RoFormerConfig", "RoFormerForCausalLM", {})}  # the rotary's positions past the cache
 
 
-def _sharpened(model):
-    """Weights of a larger spread: at the configs' init (std 0.02) every score is ~0 and the
-    softmax ~uniform, where the scale and the mask barely change the output."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
-
-
 def _model(family, heads=4, seed=0):
     config_name, model_name, _, extra = FAMILIES[family]
     torch.manual_seed(seed)
     config = getattr(transformers, config_name)(hidden_size=16 * heads, num_attention_heads=heads, **BERT, **extra)
-    return _sharpened(getattr(transformers, model_name)(config))
+    return sharpened(getattr(transformers, model_name)(config))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -91,7 +82,7 @@ def _lxmert():
                             x_layers=1, r_layers=1, visual_feat_dim=12, visual_pos_dim=4, hidden_dropout_prob=0.0,
                             attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
-    return _sharpened(t.LxmertModel(config))
+    return sharpened(t.LxmertModel(config))
 
 
 def _lxmert_inputs(dtype=torch.float32):
@@ -128,7 +119,7 @@ def _causal_lm(family):
     torch.manual_seed(0)
     config = getattr(transformers, config_name)(hidden_size=64, num_attention_heads=4, is_decoder=True,
                                                 pad_token_id=0, **BERT, **extra)
-    return _sharpened(getattr(transformers, model_name)(config))
+    return sharpened(getattr(transformers, model_name)(config))
 
 
 def _logits_with_grads(model, inputs):
@@ -160,7 +151,7 @@ def _blip(heads=4):
                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0,
                             bos_token_id=1, sep_token_id=2)
     torch.manual_seed(0)
-    return _sharpened(t.BlipForConditionalGeneration(t.BlipConfig(text_config=text.to_dict(),
+    return sharpened(t.BlipForConditionalGeneration(t.BlipConfig(text_config=text.to_dict(),
                                                                   vision_config=vision.to_dict())))
 
 
@@ -215,7 +206,7 @@ def _trocr(heads=4):
     torch.manual_seed(0)
     model = t.VisionEncoderDecoderModel(encoder=t.ViTModel(encoder), decoder=t.TrOCRForCausalLM(decoder))
     model.config.decoder_start_token_id, model.config.pad_token_id = 1, 0
-    return _sharpened(model)
+    return sharpened(model)
 
 
 def _trocr_inputs(dtype=torch.float32):
@@ -282,7 +273,7 @@ def test_vilt_on_the_kernels_matches_fp64(monkeypatch):
                           intermediate_size=48, image_size=32, patch_size=8, max_image_length=-1,
                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     torch.manual_seed(0)
-    model = _sharpened(t.ViltModel(config))
+    model = sharpened(t.ViltModel(config))
     report = ff.convert(model, inplace=False)
     assert [r[1] for r in report.replaced].count("ViltSelfAttention") == 2, str(report)
     calls = spy_attention(monkeypatch, hf_written_out)
@@ -306,7 +297,7 @@ def _table_transformer():
                                       decoder_attention_heads=4, encoder_ffn_dim=48, decoder_ffn_dim=48, num_queries=10,
                                       dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
     torch.manual_seed(0)
-    return _sharpened(t.TableTransformerModel(config))
+    return sharpened(t.TableTransformerModel(config))
 
 
 def _table_inputs(dtype=torch.float32):
@@ -344,8 +335,8 @@ def _bark(causal: bool):
                   hidden_size=64, dropout=0.0)
     torch.manual_seed(0)
     if causal:  # the semantic (and coarse) model: a GPT-2-form causal LM
-        return _sharpened(t.BarkSemanticModel(t.BarkSemanticConfig(**config)))
-    return _sharpened(t.BarkFineModel(t.BarkFineConfig(**config, n_codes_total=4, n_codes_given=1)))
+        return sharpened(t.BarkSemanticModel(t.BarkSemanticConfig(**config)))
+    return sharpened(t.BarkFineModel(t.BarkFineConfig(**config, n_codes_total=4, n_codes_given=1)))
 
 
 def _bark_inputs(causal: bool):
@@ -400,7 +391,7 @@ def _xlm(family):
     torch.manual_seed(0)
     config = getattr(transformers, config_name)(vocab_size=97, emb_dim=64, n_layers=2, n_heads=4, dropout=0.0,
                                                 attention_dropout=0.0, max_position_embeddings=64, **extra)
-    return _sharpened(getattr(transformers, model_name)(config))
+    return sharpened(getattr(transformers, model_name)(config))
 
 
 @pytest.mark.parametrize("family", list(XLM_FAMILIES))
@@ -433,7 +424,7 @@ def test_openai_gpt_attention_on_the_kernels_matches_fp64(monkeypatch):
     """OpenAI GPT's attention: causal by its buffer (masked scores set to -1e4), the padding mask."""
     t = transformers
     torch.manual_seed(0)
-    model = _sharpened(t.OpenAIGPTLMHeadModel(t.OpenAIGPTConfig(vocab_size=97, n_positions=64, n_embd=64, n_layer=2,
+    model = sharpened(t.OpenAIGPTLMHeadModel(t.OpenAIGPTConfig(vocab_size=97, n_positions=64, n_embd=64, n_layer=2,
                                                                 n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
                                                                 attn_pdrop=0.0)))
     report = ff.convert(model, inplace=False)

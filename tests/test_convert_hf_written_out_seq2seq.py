@@ -10,7 +10,8 @@ import copy
 
 import pytest
 import torch
-from hf_encoder_checks import assert_bf16_error_ratio, encoder_inputs, run_with_grads, spy_attention, spy_lengths
+from hf_encoder_checks import (assert_bf16_error_ratio, encoder_inputs, run_with_grads, sharpened, spy_attention,
+                               spy_lengths)
 from oracle import assert_model_matches
 
 transformers = pytest.importorskip("transformers", reason="needs transformers")
@@ -22,20 +23,12 @@ SIZES = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=48,
              max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
 
 
-def _sharpened(model):
-    """Weights of a larger spread (at init every score is ~0 and the masks barely matter)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    return model.eval()
-
-
 def _fsmt(heads=4):
     config = transformers.FSMTConfig(langs=["en", "de"], src_vocab_size=97, tgt_vocab_size=97,
                                      encoder_attention_heads=heads, decoder_attention_heads=heads,
                                      **dict(SIZES, d_model=16 * heads))
     torch.manual_seed(0)
-    return _sharpened(transformers.FSMTForConditionalGeneration(config))
+    return sharpened(transformers.FSMTForConditionalGeneration(config))
 
 
 def _mvp(heads=4, prompt=False):
@@ -43,7 +36,7 @@ def _mvp(heads=4, prompt=False):
                                     use_prompt=prompt, prompt_length=5, prompt_mid_dim=32, pad_token_id=1,
                                     **dict(SIZES, d_model=16 * heads))
     torch.manual_seed(0)
-    return _sharpened(transformers.MvpForConditionalGeneration(config))
+    return sharpened(transformers.MvpForConditionalGeneration(config))
 
 
 def _inputs(dtype=torch.float32):
