@@ -125,6 +125,7 @@ from .hf_residual import layer_norm_added as _layer_norm_added
 from .hf_residual import layer_norm_params
 from .hf_rotary import calls_attention_interface, class_form, convert_rotary_attention, rotary_mixin
 from .hf_seq2seq_forms import seq2seq_forms, seq2seq_named
+from .hf_vision_attention import VISION_ATTENTION
 from .hf_written_out import WRITTEN_OUT_ATTENTION
 
 _SWAPPED: dict = {}
@@ -472,11 +473,13 @@ _CONVERTERS.update({
     "Conv1D": lambda m: (_swap(m, _Conv1DLinear) if type(m).__module__.startswith("transformers.")
                          else "not transformers' Conv1D"),
 })
-# attention modules in their model's own code: BLOOM, MPT, Falcon, GPT-Neo, XGLM, DeBERTa, MPNet
-# (hf_own_attention.py); BERT's, ViT's, BART's and GPT-2's written out (TAPAS, RemBERT,
-# Megatron-BERT, VisualBERT, FLAVA, ViLT, BLIP, TrOCR, LED's decoder, Bark, OpenAI GPT, XLM,
-# FlauBERT: hf_written_out.py); Longformer's and LED's window with global tokens (hf_longformer.py)
-_OWN_ATTENTION = {**OWN_ATTENTION, **WRITTEN_OUT_ATTENTION, **LONGFORMER_ATTENTION}
+# attention modules in their model's own code: BLOOM, MPT, Falcon, GPT-Neo, XGLM, WavLM, DeBERTa,
+# MPNet (hf_own_attention.py); BERT's, ViT's, BART's and GPT-2's written out (TAPAS, RemBERT,
+# Megatron-BERT, VisualBERT, FLAVA, ViLT, LXMERT, RoFormer, BLIP, TrOCR, LED's and MVP's decoders,
+# FSMT, Table Transformer, Bark, OpenAI GPT, XLM, FlauBERT: hf_written_out.py); Longformer's and
+# LED's window with global tokens (hf_longformer.py); MobileViT's, PVT's, PVT v2's and GLPN's
+# (hf_vision_attention.py)
+_OWN_ATTENTION = {**OWN_ATTENTION, **WRITTEN_OUT_ATTENTION, **LONGFORMER_ATTENTION, **VISION_ATTENTION}
 _CONVERTERS.update({name: (lambda m, convert=convert: convert(m, _swap)) for name, convert in _OWN_ATTENTION.items()})
 _CONVERTERS.update(seq2seq_named(_swap))
 _CONVERTERS["BarkBlock"] = lambda m: (_swap(m, _BarkBlock) if type(m).__module__.startswith("transformers.")

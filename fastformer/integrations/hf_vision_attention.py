@@ -1,0 +1,104 @@
+"""ff.convert for BERT's self-attention written out in vision backbones' own code: MobileViT's
+(over each patch position's tokens) and the sequence-reduction attention of PVT, PVT v2 and GLPN
+(SegFormer's "efficient" attention: the keys and values from a feature map shrunk by a strided
+convolution + LayerNorm, or by PVT v2's pooling + 1 x 1 convolution + LayerNorm + GELU in its
+linear-attention variant).
+
+Each forms the (B, H, Lq, Lk) scores ``q k^T / sqrt(d)``, takes an eager softmax into another
+(B, H, Lq, Lk) tensor, drops it out and multiplies by V; no mask. Converted, the same
+projections (the reduction as the original computes it) feed ``ff.attention(q, k, v,
+dropout_p=the module's p in training, scale=1 / sqrt(d))``: no score tensor, and the backward on
+the kernels. Each returns what the original does (MobileViT the context; PVT and GLPN
+(context,); PVT v2 (its output projection's result,)); ``output_attentions`` and activations in
+another dtype than the weights run the original.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from torch import nn
+
+from ..ops.attention import attention
+
+
+def _heads(x, head_dim):
+    return x.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+
+
+def _attend(module, hidden_states, kv_states, dropout: nn.Dropout):
+    """(B, Lq, H * D) context of BERT's attention on ff.attention, keys / values from kv_states."""
+    d = module.attention_head_size
+    q = _heads(module.query(hidden_states), d)
+    k, v = _heads(module.key(kv_states), d), _heads(module.value(kv_states), d)
+    p = dropout.p if module.training else 0.0
+    context = attention(q, k, v, dropout_p=p, scale=1.0 / math.sqrt(d))
+    return context.transpose(1, 2).reshape(*hidden_states.shape[:-1], module.all_head_size)
+
+
+def _reduced(hidden_states, height, width, conv, norm, pool=None, act=None):
+    """The sequence reduction: (B, L, C) as a (B, C, height, width) map through [pool], conv,
+    back to (B, L', C), norm, [act]."""
+    batch, _, channels = hidden_states.shape
+    x = hidden_states.permute(0, 2, 1).reshape(batch, channels, height, width)
+    x = conv(pool(x) if pool is not None else x).reshape(batch, channels, -1).permute(0, 2, 1)
+    x = norm(x)
+    return act(x) if act is not None else x
+
+
+class MobileViTSelfAttentionMixin:
+    _ff_what = "ff.attention (no (B, H, L, L) scores)"
+
+    def forward(self, hidden_states):
+        if hidden_states.dtype != self.query.weight.dtype:
+            return super().forward(hidden_states)
+        return _attend(self, hidden_states, hidden_states, self.dropout)
+
+
+class ReducedSelfAttentionMixin:
+    """PVT's, PVT v2's and GLPN's sequence-reduction self-attention."""
+    _ff_what = "ff.attention (keys / values from the reduced map; no (B, H, Lq, Lk) scores)"
+
+    def forward(self, hidden_states, height, width, output_attentions=False):
+        if output_attentions or hidden_states.dtype != self.query.weight.dtype:
+            return super().forward(hidden_states, height, width, output_attentions)
+        kv_states = self._ff_reduce(hidden_states, height, width)
+        if hasattr(self, "proj"):  # PVT v2: the output projection inside the attention module
+            return (self.proj_drop(self.proj(_attend(self, hidden_states, kv_states, self.attn_drop))),)
+        return (_attend(self, hidden_states, kv_states, self.dropout),)
+
+    def _ff_reduce(self, hidden_states, height, width):
+        if getattr(self, "linear_attention", False):  # PVT v2's linear variant: pooled to 7 x 7
+            return _reduced(hidden_states, height, width, self.spatial_reduction, self.layer_norm, self.pool, self.act)
+        ratio = getattr(self, "sr_ratio", None) or getattr(self, "sequences_reduction_ratio", None) \
+            or getattr(self, "spatial_reduction_ratio", 1)
+        if ratio <= 1:
+            return hidden_states
+        conv = getattr(self, "sr", None) or getattr(self, "sequence_reduction", None) or self.spatial_reduction
+        return _reduced(hidden_states, height, width, conv, self.layer_norm)
+
+
+_BERT_PARTS = ("query", "key", "value")
+
+
+def _converter(mixin: type, dropout: str, *fields: str):
+    def convert(m: nn.Module, swap) -> Optional[str]:
+        if not all(isinstance(getattr(m, n, None), nn.Linear) for n in _BERT_PARTS) \
+                or not isinstance(getattr(m, dropout, None), nn.Dropout) \
+                or not all(hasattr(m, f) for f in ("attention_head_size", "all_head_size") + fields):
+            return "not BERT's written-out self-attention form (query / key / value linears, its dropout)"
+        swap(m, mixin)
+        return None
+    return convert
+
+
+# class name -> converter(module, swap) -> why not, or None (merged into hf_convert's table)
+VISION_ATTENTION = {
+    "MobileViTSelfAttention": _converter(MobileViTSelfAttentionMixin, "dropout"),
+    "PvtEfficientSelfAttention": _converter(ReducedSelfAttentionMixin, "dropout", "sequences_reduction_ratio"),
+    "PvtV2SelfAttention": _converter(ReducedSelfAttentionMixin, "attn_drop", "spatial_reduction_ratio", "proj",
+                                     "linear_attention"),
+    "GLPNEfficientSelfAttention": _converter(ReducedSelfAttentionMixin, "dropout", "sr_ratio"),
+}
+
+__all__ = ["VISION_ATTENTION"]
