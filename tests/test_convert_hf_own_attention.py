@@ -2,7 +2,8 @@
 BLOOM's and MPT's on ff.attention with the model's ALiBi slopes and mask in place of its own
 scores, Falcon's (its ALiBi bias mask, its rotary forms: multi-query and the new decoder
 architecture's grouped heads), GPT-Neo's (unscaled, global and local layers; a window of 5 keys
-over 13 tokens), XGLM's (BART's attention written out; the config's output_attentions too), against the unconverted model run in fp64: logits and
+over 13 tokens), XGLM's (BART's attention written out; the config's output_attentions too),
+GPT-NeoX-Japanese's (its partial rotary), against the unconverted model run in fp64: logits and
 every parameter's gradient (oracle.assert_model_matches), with and without left padding, a head
 count that is not a power of two (both families' extra slopes), bf16 by the error-ratio rule,
 greedy generation with the cache against the unconverted model's tokens and logits, and
@@ -26,10 +27,11 @@ import fastformer as ff  # noqa: E402
 from fastformer.integrations import hf_own_attention  # noqa: E402
 
 
-FAMILIES = ["bloom", "mpt", "falcon_alibi", "falcon_rotary_mq", "falcon_new_arch", "gpt_neo", "xglm"]
+FAMILIES = ["bloom", "mpt", "falcon_alibi", "falcon_rotary_mq", "falcon_new_arch", "gpt_neo", "xglm",
+            "gpt_neox_japanese"]
 ATTENTION = {"bloom": "BloomAttention", "mpt": "MptAttention", "falcon_alibi": "FalconAttention",
              "falcon_rotary_mq": "FalconAttention", "falcon_new_arch": "FalconAttention",
-             "gpt_neo": "GPTNeoSelfAttention", "xglm": "XGLMAttention"}
+             "gpt_neo": "GPTNeoSelfAttention", "xglm": "XGLMAttention", "gpt_neox_japanese": "GPTNeoXJapaneseAttention"}
 # Falcon-RW (ALiBi, biases, sequential blocks), Falcon-7B's form (rotary, one key / value head,
 # parallel attention and MLP), Falcon-40B's (rotary, grouped key / value heads)
 FALCON = {"falcon_alibi": dict(alibi=True, multi_query=False, parallel_attn=False, bias=True),
@@ -55,6 +57,13 @@ def _model(family, heads=4, seed=0):
                                       ffn_dim=48, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
                                       activation_dropout=0.0)
         cls = transformers.XGLMForCausalLM
+    elif family == "gpt_neox_japanese":  # rotary on half of each head's channels
+        cfg = transformers.GPTNeoXJapaneseConfig(vocab_size=97, hidden_size=16 * heads, num_hidden_layers=2,
+                                                 num_attention_heads=heads, intermediate_multiple_size=2,
+                                                 max_position_embeddings=64, attention_dropout=0.0,
+                                                 hidden_dropout=0.0, rope_parameters={"rope_type": "default",
+                                                 "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+        cls = transformers.GPTNeoXJapaneseForCausalLM
     else:
         cfg = transformers.FalconConfig(vocab_size=97, hidden_size=16 * heads, num_hidden_layers=2,
                                         num_attention_heads=heads, **FALCON[family])
@@ -70,7 +79,7 @@ def _inputs(padded, family=None):
     if padded:
         mask[1, :4] = 0  # row 1 left-padded by 4
     out = dict(input_ids=ids, attention_mask=mask)
-    if family in ("gpt_neo", "xglm"):  # absolute positions: count them from each row's first token
+    if family in ("gpt_neo", "xglm", "gpt_neox_japanese"):  # positions counted from each row's first token
         out["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
     return out
 

@@ -473,8 +473,8 @@ _CONVERTERS.update({
     "Conv1D": lambda m: (_swap(m, _Conv1DLinear) if type(m).__module__.startswith("transformers.")
                          else "not transformers' Conv1D"),
 })
-# attention modules in their model's own code: BLOOM, MPT, Falcon, GPT-Neo, XGLM, WavLM, DeBERTa,
-# MPNet (hf_own_attention.py); BERT's, ViT's, BART's and GPT-2's written out (TAPAS, RemBERT,
+# attention modules in their model's own code: BLOOM, MPT, Falcon, GPT-Neo, XGLM, GPT-NeoX-Japanese,
+# WavLM, DeBERTa, MPNet (hf_own_attention.py); BERT's, ViT's, BART's and GPT-2's written out (TAPAS, RemBERT,
 # Megatron-BERT, VisualBERT, FLAVA, ViLT, LXMERT, RoFormer, BLIP, TrOCR, LED's and MVP's decoders,
 # FSMT, Table Transformer, Bark, OpenAI GPT, XLM, FlauBERT: hf_written_out.py); Longformer's and
 # LED's window with global tokens (hf_longformer.py); MobileViT's, PVT's, PVT v2's and GLPN's

@@ -2,8 +2,8 @@
 attention interface (``attn_implementation`` never reaches them): BLOOM's and MPT's, their ALiBi
 inside the attention kernels (``alibi_slopes``); Falcon's (its ALiBi as the model's own bias mask,
 its rotary forms); GPT-Neo's (unscaled scores, local layers as a window); XGLM's (BART's attention
-written out); WavLM's (its gated relative bias as a float mask); DeBERTa's (hf_deberta.py);
-MPNet's, its relative-position bias in the kernels (hf_mpnet.py).
+written out); GPT-NeoX-Japanese's; WavLM's (its gated relative bias as a float mask); DeBERTa's
+(hf_deberta.py); MPNet's, its relative-position bias in the kernels (hf_mpnet.py).
 
 transformers' ``BloomAttention`` has no attention interface: it forms the (B * H, Lq, Lk)
 scores with ``alibi.baddbmm(q, k^T)`` in the model's dtype, adds the 4-D mask, takes an fp32
@@ -62,6 +62,12 @@ attention calls ``ff.attention(causal="bottom_right", attn_mask=the model's mask
 bounds the tiles the kernels visit) and returns no probabilities; it runs the original when they
 are asked for (the recorder's active collector names them), for cross-attention
 (``key_value_states``: XGLM as a decoder of another encoder) and for mixed dtypes.
+
+GPT-NeoX-Japanese (``GPTNeoXJapaneseAttention``) is GPT-NeoX's attention from before the
+attention interface: the fused q / k / v split per head, the rotary on the first
+``rotary_ndims`` channels (ff.apply_rotary where hf_rotary's fused form takes the call), baddbmm
+scores plus the model's additive causal mask; converted, ``ff.attention(attn_mask=that mask,
+scale=1 / norm_factor)``, its last layer's output bias returned as the original returns it.
 
 WavLM (``WavLMAttention``) gates a T5-style bucketed relative bias per query row (the gate from
 that row's hidden state) into a (B * H, L, L) float mask, then calls torch's
@@ -221,6 +227,36 @@ class XGLMAttentionMixin:
         return self.out_proj(context.transpose(1, 2).reshape(batch, q_length, self.embed_dim)), None
 
 
+class GPTNeoXJapaneseAttentionMixin:
+    """GPT-NeoX-Japanese's attention: GPT-NeoX's fused q / k / v and partial rotary, the model's
+    additive causal mask, the last layer's output bias returned for the block to add;
+    (output, probabilities, bias)."""
+    _ff_what = "ff.attention + ff.apply_rotary (the model's mask; no (B * H, Lq, Lk) scores)"
+
+    def forward(self, hidden_states, attention_mask, position_ids, layer_past=None, use_cache=False,
+                output_attentions=False, position_embeddings=None, **kwargs):
+        if output_attentions or _weights_wanted(kwargs) or position_embeddings is None \
+                or hidden_states.dtype != self.query_key_value.weight.dtype:
+            return super().forward(hidden_states, attention_mask, position_ids, layer_past, use_cache,
+                                   output_attentions, position_embeddings, **kwargs)
+        batch, length, _ = hidden_states.shape
+        qkv = self.query_key_value(hidden_states).view(batch, length, self.num_attention_heads, -1).transpose(1, 2)
+        q, k, v = qkv.split(self.head_size, dim=-1)
+        rotate = _module_of(self).apply_rotary_pos_emb
+        if not torch.compiler.is_compiling():
+            rotate = fused_rotary(rotate)
+        r = self.rotary_ndims
+        q_rot, k_rot = rotate(q[..., :r], k[..., :r], *position_embeddings)
+        q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+        if layer_past is not None:
+            k, v = layer_past.update(k, v, self.layer_idx)
+        mask = attention_mask.to(q.dtype) if attention_mask is not None and attention_mask.is_floating_point() \
+            else attention_mask
+        p = self.attention_dropout.p if self.training else 0.0
+        context = attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0 / self.norm_factor)
+        return self.dense(context.transpose(1, 2).reshape(batch, length, -1)), None, self.dense_bias
+
+
 class WavLMAttentionMixin:
     _ff_what = "ff.attention (the gated relative bias as a float mask; no averaged probabilities)"
 
@@ -327,6 +363,15 @@ def convert_xglm_attention(m: nn.Module, swap) -> Optional[str]:
     return None
 
 
+def convert_gpt_neox_japanese_attention(m: nn.Module, swap) -> Optional[str]:
+    if not isinstance(getattr(m, "query_key_value", None), nn.Linear) \
+            or not isinstance(getattr(m, "attention_dropout", None), nn.Dropout) \
+            or not all(hasattr(m, f) for f in ("rotary_ndims", "norm_factor", "head_size", "dense_bias")):
+        return "not GPT-NeoX-Japanese's attention form (a fused query_key_value, rotary_ndims, norm_factor)"
+    swap(m, GPTNeoXJapaneseAttentionMixin)
+    return None
+
+
 def convert_wavlm_attention(m: nn.Module, swap) -> Optional[str]:
     if not all(isinstance(getattr(m, n, None), nn.Linear) for n in ("q_proj", "k_proj", "v_proj", "out_proj")) \
             or not isinstance(getattr(m, "scaling", None), float) \
@@ -341,6 +386,7 @@ def convert_wavlm_attention(m: nn.Module, swap) -> Optional[str]:
 OWN_ATTENTION = {"BloomAttention": convert_bloom_attention, "MptAttention": convert_mpt_attention,
                  "FalconAttention": convert_falcon_attention, "GPTNeoSelfAttention": convert_gpt_neo_attention,
                  "XGLMAttention": convert_xglm_attention, "WavLMAttention": convert_wavlm_attention,
+                 "GPTNeoXJapaneseAttention": convert_gpt_neox_japanese_attention,
                  "DisentangledSelfAttention": convert_disentangled_attention,  # DeBERTa: hf_deberta.py
                  # MPNet: its attention, and the encoder and layer around it (hf_mpnet.py)
                  "MPNetAttention": convert_mpnet_attention, "MPNetEncoder": convert_mpnet_encoder,
