@@ -1,6 +1,6 @@
 """BERT's self-attention written out in vision backbones (integrations/hf_vision_attention.py):
-MobileViT's, and the sequence-reduction attention of PVT, PVT v2 (strided and its pooled
-"linear" variant) and GLPN, converted onto ff.attention, against the unconverted model run in
+MobileViT's, the sequence-reduction attention of PVT, PVT v2 (strided and its pooled "linear"
+variant) and GLPN, and CvT's (convolution projections, a class token), converted onto ff.attention, against the unconverted model run in
 fp64: the last hidden state and every parameter's gradient; the (query rows, keys) of each call
 (the reduced key counts); bf16 by the error-ratio rule; output_attentions (the original)."""
 import copy
@@ -34,6 +34,13 @@ MODELS = {
                       [(256, 49), (64, 49), (16, 49), (4, 49)]),
     "glpn": ("GLPNConfig", "GLPNModel", dict(STAGES, decoder_hidden_size=32), 64, "GLPNEfficientSelfAttention",
              [(256, 4), (64, 4), (16, 4), (4, 4)]),
+    # CvT: stages of 16 x 16, 8 x 8, 4 x 4 positions (1, 2, 3 layers: transformers indexes each
+    # stage's drop-path rates by the stage), keys / values strided by 2, the last stage with its
+    # class token
+    "cvt": ("CvtConfig", "CvtModel", dict(embed_dim=[16, 32, 48], num_heads=[1, 2, 3], depth=[1, 2, 3],
+                                          drop_rate=[0.0] * 3, attention_drop_rate=[0.0] * 3), 64,
+            "CvtSelfAttention",
+            [(256, 64)] + [(64, 16)] * 2 + [(17, 5)] * 3),
 }
 
 

@@ -1,14 +1,15 @@
 """ff.convert for BERT's self-attention written out in vision backbones' own code: MobileViT's
-(over each patch position's tokens) and the sequence-reduction attention of PVT, PVT v2 and GLPN
+(over each patch position's tokens), the sequence-reduction attention of PVT, PVT v2 and GLPN
 (SegFormer's "efficient" attention: the keys and values from a feature map shrunk by a strided
 convolution + LayerNorm, or by PVT v2's pooling + 1 x 1 convolution + LayerNorm + GELU in its
-linear-attention variant).
+linear-attention variant) and CvT's (q / k / v from depthwise-convolution projections, the keys
+and values strided, a class token in its last stage).
 
 Each forms the (B, H, Lq, Lk) scores ``q k^T / sqrt(d)``, takes an eager softmax into another
 (B, H, Lq, Lk) tensor, drops it out and multiplies by V; no mask. Converted, the same
 projections (the reduction as the original computes it) feed ``ff.attention(q, k, v,
 dropout_p=the module's p in training, scale=1 / sqrt(d))``: no score tensor, and the backward on
-the kernels. Each returns what the original does (MobileViT the context; PVT and GLPN
+the kernels. Each returns what the original does (MobileViT and CvT the context; PVT and GLPN
 (context,); PVT v2 (its output projection's result,)); ``output_attentions`` and activations in
 another dtype than the weights run the original.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import torch
 from torch import nn
 
 from ..ops.attention import attention
@@ -53,6 +55,31 @@ class MobileViTSelfAttentionMixin:
         if hidden_states.dtype != self.query.weight.dtype:
             return super().forward(hidden_states)
         return _attend(self, hidden_states, hidden_states, self.dropout)
+
+
+class CvtSelfAttentionMixin:
+    """CvT's attention: q / k / v from depthwise-convolution projections of the feature map (keys
+    and values strided), the class token ahead of each in the last stage; the context returned."""
+    _ff_what = "ff.attention (no (B, H, Lq, Lk) scores)"
+
+    def forward(self, hidden_state, height, width):
+        if hidden_state.dtype != self.projection_query.weight.dtype:
+            return super().forward(hidden_state, height, width)
+        if self.with_cls_token:
+            cls_token, hidden_state = torch.split(hidden_state, [1, height * width], 1)
+        batch, _, channels = hidden_state.shape
+        feature_map = hidden_state.permute(0, 2, 1).view(batch, channels, height, width)
+        heads = []
+        for conv, proj in ((self.convolution_projection_query, self.projection_query),
+                           (self.convolution_projection_key, self.projection_key),
+                           (self.convolution_projection_value, self.projection_value)):
+            x = conv(feature_map)
+            if self.with_cls_token:
+                x = torch.cat((cls_token, x), dim=1)
+            heads.append(_heads(proj(x), self.embed_dim // self.num_heads))
+        p = self.dropout.p if self.training else 0.0
+        context = attention(*heads, dropout_p=p, scale=self.scale)
+        return context.transpose(1, 2).reshape(batch, -1, self.embed_dim)
 
 
 class ReducedSelfAttentionMixin:
@@ -92,6 +119,16 @@ def _converter(mixin: type, dropout: str, *fields: str):
     return convert
 
 
+def convert_cvt_attention(m: nn.Module, swap) -> Optional[str]:
+    names = [f"{kind}_{part}" for kind in ("convolution_projection", "projection") for part in ("query", "key", "value")]
+    if not all(hasattr(m, n) for n in names + ["with_cls_token", "scale", "embed_dim", "num_heads"]) \
+            or not all(isinstance(getattr(m, f"projection_{p}"), nn.Linear) for p in ("query", "key", "value")) \
+            or not isinstance(getattr(m, "dropout", None), nn.Dropout):
+        return "not CvT's self-attention form (convolution projections, q / k / v linears, its dropout)"
+    swap(m, CvtSelfAttentionMixin)
+    return None
+
+
 # class name -> converter(module, swap) -> why not, or None (merged into hf_convert's table)
 VISION_ATTENTION = {
     "MobileViTSelfAttention": _converter(MobileViTSelfAttentionMixin, "dropout"),
@@ -99,6 +136,7 @@ VISION_ATTENTION = {
     "PvtV2SelfAttention": _converter(ReducedSelfAttentionMixin, "attn_drop", "spatial_reduction_ratio", "proj",
                                      "linear_attention"),
     "GLPNEfficientSelfAttention": _converter(ReducedSelfAttentionMixin, "dropout", "sr_ratio"),
+    "CvtSelfAttention": convert_cvt_attention,
 }
 
 __all__ = ["VISION_ATTENTION"]
