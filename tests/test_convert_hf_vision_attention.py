@@ -1,6 +1,7 @@
 """BERT's self-attention written out in vision backbones (integrations/hf_vision_attention.py):
 MobileViT's, the sequence-reduction attention of PVT, PVT v2 (strided and its pooled "linear"
-variant) and GLPN, and CvT's (convolution projections, a class token), converted onto ff.attention, against the unconverted model run in
+variant) and GLPN, CvT's (convolution projections, a class token) and TimeSformer's (divided and
+joint space-time), converted onto ff.attention, against the unconverted model run in
 fp64: the last hidden state and every parameter's gradient; the (query rows, keys) of each call
 (the reduced key counts); bf16 by the error-ratio rule; output_attentions (the original)."""
 import copy
@@ -41,6 +42,18 @@ MODELS = {
                                           drop_rate=[0.0] * 3, attention_drop_rate=[0.0] * 3), 64,
             "CvtSelfAttention",
             [(256, 64)] + [(64, 16)] * 2 + [(17, 5)] * 3),
+    # TimeSformer on 2 frames of 32 x 32 (4 x 4 patches): each layer's divided attention over the
+    # 2 frames of each patch, then over each frame's 16 patches and the class token
+    "timesformer": ("TimesformerConfig", "TimesformerModel",
+                    dict(image_size=32, patch_size=8, num_frames=2, hidden_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, intermediate_size=48, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0), 32, "TimesformerSelfAttention",
+                    [(2, 2), (17, 17)] * 2),
+    "timesformer_joint": ("TimesformerConfig", "TimesformerModel",
+                          dict(image_size=32, patch_size=8, num_frames=2, hidden_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=48, attention_type="joint_space_time",
+                               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0), 32,
+                          "TimesformerSelfAttention", [(33, 33)] * 2),
 }
 
 
@@ -57,7 +70,8 @@ def _model(name):
 
 def _inputs(name):
     size = MODELS[name][3]
-    pixels = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(1))
+    shape = (2, 2, 3, size, size) if name.startswith("timesformer") else (2, 3, size, size)  # video: 2 frames
+    pixels = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
     return lambda dtype=torch.float32: dict(pixel_values=pixels.to(dtype))
 
 

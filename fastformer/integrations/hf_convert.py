@@ -477,8 +477,8 @@ _CONVERTERS.update({
 # WavLM, DeBERTa, MPNet (hf_own_attention.py); BERT's, ViT's, BART's and GPT-2's written out (TAPAS, RemBERT,
 # Megatron-BERT, VisualBERT, FLAVA, ViLT, LXMERT, RoFormer, BLIP, TrOCR, LED's and MVP's decoders,
 # FSMT, Table Transformer, Bark, OpenAI GPT, XLM, FlauBERT: hf_written_out.py); Longformer's and
-# LED's window with global tokens (hf_longformer.py); MobileViT's, PVT's, PVT v2's, GLPN's and
-# CvT's (hf_vision_attention.py)
+# LED's window with global tokens (hf_longformer.py); MobileViT's, PVT's, PVT v2's, GLPN's,
+# CvT's and TimeSformer's (hf_vision_attention.py)
 _OWN_ATTENTION = {**OWN_ATTENTION, **WRITTEN_OUT_ATTENTION, **LONGFORMER_ATTENTION, **VISION_ATTENTION}
 _CONVERTERS.update({name: (lambda m, convert=convert: convert(m, _swap)) for name, convert in _OWN_ATTENTION.items()})
 _CONVERTERS.update(seq2seq_named(_swap))

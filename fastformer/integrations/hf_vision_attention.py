@@ -2,15 +2,16 @@
 (over each patch position's tokens), the sequence-reduction attention of PVT, PVT v2 and GLPN
 (SegFormer's "efficient" attention: the keys and values from a feature map shrunk by a strided
 convolution + LayerNorm, or by PVT v2's pooling + 1 x 1 convolution + LayerNorm + GELU in its
-linear-attention variant) and CvT's (q / k / v from depthwise-convolution projections, the keys
-and values strided, a class token in its last stage).
+linear-attention variant), CvT's (q / k / v from depthwise-convolution projections, the keys
+and values strided, a class token in its last stage) and TimeSformer's (a fused q / k / v, over
+the frames or the patches of a video).
 
 Each forms the (B, H, Lq, Lk) scores ``q k^T / sqrt(d)``, takes an eager softmax into another
 (B, H, Lq, Lk) tensor, drops it out and multiplies by V; no mask. Converted, the same
 projections (the reduction as the original computes it) feed ``ff.attention(q, k, v,
 dropout_p=the module's p in training, scale=1 / sqrt(d))``: no score tensor, and the backward on
-the kernels. Each returns what the original does (MobileViT and CvT the context; PVT and GLPN
-(context,); PVT v2 (its output projection's result,)); ``output_attentions`` and activations in
+the kernels. Each returns what the original does (MobileViT and CvT the context; PVT, GLPN and
+TimeSformer (context,); PVT v2 (its output projection's result,)); ``output_attentions`` and activations in
 another dtype than the weights run the original.
 """
 from __future__ import annotations
@@ -82,6 +83,21 @@ class CvtSelfAttentionMixin:
         return context.transpose(1, 2).reshape(batch, -1, self.embed_dim)
 
 
+class TimesformerSelfAttentionMixin:
+    """TimeSformer's attention (timm's ViT form: one fused q / k / v projection), over the frames'
+    or the patches' axis as the layer lays them out; (context,)."""
+    _ff_what = "ff.attention (no (B, H, L, L) scores)"
+
+    def forward(self, hidden_states, output_attentions=False):
+        if output_attentions or hidden_states.dtype != self.qkv.weight.dtype:
+            return super().forward(hidden_states, output_attentions)
+        batch, length, width = hidden_states.shape
+        q, k, v = self.qkv(hidden_states).view(batch, length, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        p = self.attn_drop.p if self.training else 0.0
+        context = attention(q, k, v, dropout_p=p, scale=self.scale)
+        return (context.transpose(1, 2).reshape(batch, length, width),)
+
+
 class ReducedSelfAttentionMixin:
     """PVT's, PVT v2's and GLPN's sequence-reduction self-attention."""
     _ff_what = "ff.attention (keys / values from the reduced map; no (B, H, Lq, Lk) scores)"
@@ -129,6 +145,14 @@ def convert_cvt_attention(m: nn.Module, swap) -> Optional[str]:
     return None
 
 
+def convert_timesformer_attention(m: nn.Module, swap) -> Optional[str]:
+    if not isinstance(getattr(m, "qkv", None), nn.Linear) or not isinstance(getattr(m, "attn_drop", None), nn.Dropout) \
+            or not isinstance(getattr(m, "scale", None), float) or not isinstance(getattr(m, "num_heads", None), int):
+        return "not TimeSformer's attention form (a fused qkv linear, a float scale, nn.Dropout attn_drop)"
+    swap(m, TimesformerSelfAttentionMixin)
+    return None
+
+
 # class name -> converter(module, swap) -> why not, or None (merged into hf_convert's table)
 VISION_ATTENTION = {
     "MobileViTSelfAttention": _converter(MobileViTSelfAttentionMixin, "dropout"),
@@ -137,6 +161,7 @@ VISION_ATTENTION = {
                                      "linear_attention"),
     "GLPNEfficientSelfAttention": _converter(ReducedSelfAttentionMixin, "dropout", "sr_ratio"),
     "CvtSelfAttention": convert_cvt_attention,
+    "TimesformerSelfAttention": convert_timesformer_attention,
 }
 
 __all__ = ["VISION_ATTENTION"]
