@@ -42,13 +42,13 @@ underflows to 0), with the padding mask. XLM's and FlauBERT's (``MultiHeadAttent
 ff.attention's bool mask as it is; their cross-attention (XLM as a decoder of another encoder)
 runs the original.
 
-What each returns is the original's: RemBERT, Megatron-BERT, RoFormer, BLIP, TrOCR, MVP, FSMT,
-Table Transformer and Bark (output, probabilities) on every call (the converted forward returns (output, None):
-the layers read the probabilities only when they are asked for), LED's decoder the cache third;
-TAPAS, VisualBERT, FLAVA, ViLT, LXMERT, XLM and FlauBERT (output,), with the cache after it in a
-TAPAS decoder; OpenAI GPT [output]. The
-original forward runs when the probabilities are wanted (``output_attentions``, or transformers'
-output recorder collecting them: BLIP) and for activations in another dtype than the weights.
+What each returns is the original's: RemBERT, Megatron-BERT, RoFormer, BLIP, TrOCR, MVP, FSMT, Table
+Transformer and Bark (output, probabilities) on every call (the converted forward returns (output,
+None): the layers read the probabilities only when they are asked for), LED's decoder the cache
+third; TAPAS, VisualBERT, FLAVA, ViLT, LXMERT, XLM and FlauBERT (output,), with the cache after it
+in a TAPAS decoder; OpenAI GPT [output]. The original forward runs when the probabilities are wanted
+(``output_attentions``, or transformers' output recorder collecting them: BLIP) and for activations
+in another dtype than the weights.
 """
 from __future__ import annotations
 
