@@ -37,12 +37,13 @@ def spy_attention(monkeypatch, module):
     return calls
 
 
-def spy_lengths(monkeypatch, module):
-    """(query rows, keys) of every call of module.attention."""
+def spy_lengths(monkeypatch, *modules):
+    """(query rows, keys) of every call of module.attention, for each of `modules`, in call order."""
     lengths = []
-    kernel = module.attention
-    monkeypatch.setattr(module, "attention",
-                        lambda q, k, v, **kw: lengths.append((q.shape[-2], k.shape[-2])) or kernel(q, k, v, **kw))
+    for module in modules:
+        kernel = module.attention
+        monkeypatch.setattr(module, "attention", lambda q, k, v, kernel=kernel, **kw:
+                            lengths.append((q.shape[-2], k.shape[-2])) or kernel(q, k, v, **kw))
     return lengths
 
 
@@ -119,14 +120,19 @@ def assert_classifier_loss_and_training_dropout(model, attention_class: str):
     return ours
 
 
-def assert_output_attentions_match(model, layers: int):
+def assert_output_attentions_match(model, layers: int, inputs=None, fields=("attentions",),
+                                   output="last_hidden_state"):
     """output_attentions runs the original attention (the converted forward gives no
-    probabilities): every layer's probabilities and the hidden states as the unconverted model's."""
+    probabilities): every layer's probabilities (each of `fields` of the model's output) and its
+    `output` as the unconverted model's, on `inputs` (default: encoder_inputs())."""
+    inputs = encoder_inputs() if inputs is None else inputs
     ours = ff.convert(model, inplace=False).model
     with torch.no_grad():
-        out = ours(**encoder_inputs(), output_attentions=True)
-        ref = model(**encoder_inputs(), output_attentions=True)
-    assert out.attentions is not None and len(out.attentions) == layers
-    for got, want in zip(out.attentions, ref.attentions):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(out.last_hidden_state, ref.last_hidden_state, atol=1e-5, rtol=1e-5)
+        out = ours(**inputs, output_attentions=True)
+        ref = model(**inputs, output_attentions=True)
+    for field in fields:
+        got, want = getattr(out, field), getattr(ref, field)
+        assert got is not None and len(got) == layers, field
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(getattr(out, output), getattr(ref, output), atol=1e-5, rtol=1e-5)

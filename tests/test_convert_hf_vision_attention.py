@@ -8,13 +8,14 @@ import copy
 
 import pytest
 import torch
-from hf_encoder_checks import assert_bf16_error_ratio, run_with_grads, sharpened, spy_lengths
+from hf_encoder_checks import (assert_bf16_error_ratio, assert_output_attentions_match, run_with_grads, sharpened,
+                               spy_lengths)
 from oracle import assert_model_matches
 
 transformers = pytest.importorskip("transformers", reason="needs transformers")
 
 import fastformer as ff  # noqa: E402
-from fastformer.integrations import hf_vision_attention  # noqa: E402
+from fastformer.integrations import hf_vision_attention, hf_written_out  # noqa: E402
 
 STAGES = dict(hidden_sizes=[16, 32, 48, 64], num_attention_heads=[1, 2, 3, 4], depths=[1, 1, 1, 1],
               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -81,7 +82,7 @@ def test_vision_attention_on_the_kernels_matches_fp64(name, monkeypatch):
     report = ff.convert(model, inplace=False)
     attention, lengths_wanted = MODELS[name][4], MODELS[name][5]
     assert [r[1] for r in report.replaced].count(attention) == len(lengths_wanted), str(report)
-    lengths = spy_lengths(monkeypatch, hf_vision_attention)
+    lengths = spy_lengths(monkeypatch, hf_vision_attention, hf_written_out)  # TimeSformer: hf_written_out's helper
     out, grads = run_with_grads(report.model, _inputs(name)())
     assert lengths == lengths_wanted
     ref, ref_grads = run_with_grads(copy.deepcopy(model).double(), _inputs(name)(torch.float64))
@@ -95,12 +96,4 @@ def test_vision_attention_bf16_error_ratio(name):
 
 @pytest.mark.parametrize("name", ["pvt", "pvt_v2", "glpn"])
 def test_vision_attention_output_attentions_runs_the_original(name):
-    model = _model(name)
-    ours = ff.convert(model, inplace=False).model
-    with torch.no_grad():
-        got = ours(**_inputs(name)(), output_attentions=True)
-        want = model(**_inputs(name)(), output_attentions=True)
-    assert got.attentions is not None and len(got.attentions) == 4
-    for a, b in zip(got.attentions, want.attentions):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, atol=1e-5, rtol=1e-5)
+    assert_output_attentions_match(_model(name), 4, _inputs(name)())

@@ -254,15 +254,7 @@ def test_trocr_reads_text_alike_through_the_cache(monkeypatch):
 
 
 def test_trocr_output_attentions_runs_the_original():
-    model = _trocr()
-    ours = ff.convert(model, inplace=False).model
-    with torch.no_grad():
-        got = ours(**_trocr_inputs(), output_attentions=True)
-        want = model(**_trocr_inputs(), output_attentions=True)
-    assert got.decoder_attentions is not None and len(got.cross_attentions) == 2
-    for a, b in zip(got.decoder_attentions + got.cross_attentions, want.decoder_attentions + want.cross_attentions):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    assert_output_attentions_match(_trocr(), 2, _trocr_inputs(), ("decoder_attentions", "cross_attentions"), "logits")
 
 
 def test_vilt_on_the_kernels_matches_fp64(monkeypatch):

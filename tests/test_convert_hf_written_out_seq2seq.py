@@ -10,8 +10,8 @@ import copy
 
 import pytest
 import torch
-from hf_encoder_checks import (assert_bf16_error_ratio, encoder_inputs, run_with_grads, sharpened, spy_attention,
-                               spy_lengths)
+from hf_encoder_checks import (assert_bf16_error_ratio, assert_output_attentions_match, encoder_inputs,
+                               run_with_grads, sharpened, spy_attention, spy_lengths)
 from oracle import assert_model_matches
 
 transformers = pytest.importorskip("transformers", reason="needs transformers")
@@ -134,13 +134,5 @@ def test_written_out_seq2seq_generates_alike_through_the_cache(name, monkeypatch
 
 
 def test_fsmt_output_attentions_runs_the_original():
-    model = _fsmt()
-    ours = ff.convert(model, inplace=False).model
-    with torch.no_grad():
-        got = ours(**_fsmt_inputs(), output_attentions=True)
-        want = model(**_fsmt_inputs(), output_attentions=True)
-    assert got.encoder_attentions is not None and len(got.cross_attentions) == 2
-    for a, b in zip(got.encoder_attentions + got.decoder_attentions + got.cross_attentions,
-                    want.encoder_attentions + want.decoder_attentions + want.cross_attentions):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    assert_output_attentions_match(_fsmt(), 2, _fsmt_inputs(),
+                                   ("encoder_attentions", "decoder_attentions", "cross_attentions"), "logits")

@@ -250,10 +250,8 @@ class GPTNeoXJapaneseAttentionMixin:
         q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
         if layer_past is not None:
             k, v = layer_past.update(k, v, self.layer_idx)
-        mask = attention_mask.to(q.dtype) if attention_mask is not None and attention_mask.is_floating_point() \
-            else attention_mask
         p = self.attention_dropout.p if self.training else 0.0
-        context = attention(q, k, v, attn_mask=mask, dropout_p=p, scale=1.0 / self.norm_factor)
+        context = attention(q, k, v, attn_mask=_in_dtype(attention_mask, q), dropout_p=p, scale=1.0 / self.norm_factor)
         return self.dense(context.transpose(1, 2).reshape(batch, length, -1)), None, self.dense_bias
 
 
@@ -268,10 +266,15 @@ class WavLMAttentionMixin:
         q, k, v = (proj(hidden_states).view(batch, length, self.num_heads, -1).transpose(1, 2)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
         padding = attention_mask.ne(1) if attention_mask is not None else None
-        bias = gated_position_bias.view(batch, self.num_heads, length, length).to(q.dtype)
+        bias = _in_dtype(gated_position_bias.view(batch, self.num_heads, length, length), q)
         p = self.dropout if self.training else 0.0
         context = attention(q, k, v, key_padding_mask=padding, attn_mask=bias, dropout_p=p, scale=self.scaling)
         return self.out_proj(context.transpose(1, 2).reshape(batch, length, width)), None
+
+
+def _in_dtype(mask, q):
+    """The model's additive mask in the activations' dtype (a mixed-dtype mask is refused)."""
+    return mask.to(q.dtype) if mask is not None and mask.dtype not in (torch.bool, q.dtype) else mask
 
 
 def _weights_wanted(kwargs) -> bool:

@@ -11,8 +11,8 @@ Each forms the (B, H, Lq, Lk) scores ``q k^T / sqrt(d)``, takes an eager softmax
 projections (the reduction as the original computes it) feed ``ff.attention(q, k, v,
 dropout_p=the module's p in training, scale=1 / sqrt(d))``: no score tensor, and the backward on
 the kernels. Each returns what the original does (MobileViT and CvT the context; PVT, GLPN and
-TimeSformer (context,); PVT v2 (its output projection's result,)); ``output_attentions`` and activations in
-another dtype than the weights run the original.
+TimeSformer (context,); PVT v2 (its output projection's result,)); ``output_attentions`` and
+activations in another dtype than the weights run the original.
 """
 from __future__ import annotations
 
@@ -23,17 +23,14 @@ import torch
 from torch import nn
 
 from ..ops.attention import attention
-
-
-def _heads(x, head_dim):
-    return x.view(*x.shape[:-1], -1, head_dim).transpose(1, 2)
+from .hf_written_out import _batch_first_heads, fused_qkv_context
 
 
 def _attend(module, hidden_states, kv_states, dropout: nn.Dropout):
     """(B, Lq, H * D) context of BERT's attention on ff.attention, keys / values from kv_states."""
     d = module.attention_head_size
-    q = _heads(module.query(hidden_states), d)
-    k, v = _heads(module.key(kv_states), d), _heads(module.value(kv_states), d)
+    q = _batch_first_heads(module.query(hidden_states), d)
+    k, v = _batch_first_heads(module.key(kv_states), d), _batch_first_heads(module.value(kv_states), d)
     p = dropout.p if module.training else 0.0
     context = attention(q, k, v, dropout_p=p, scale=1.0 / math.sqrt(d))
     return context.transpose(1, 2).reshape(*hidden_states.shape[:-1], module.all_head_size)
@@ -77,7 +74,7 @@ class CvtSelfAttentionMixin:
             x = conv(feature_map)
             if self.with_cls_token:
                 x = torch.cat((cls_token, x), dim=1)
-            heads.append(_heads(proj(x), self.embed_dim // self.num_heads))
+            heads.append(_batch_first_heads(proj(x), self.embed_dim // self.num_heads))
         p = self.dropout.p if self.training else 0.0
         context = attention(*heads, dropout_p=p, scale=self.scale)
         return context.transpose(1, 2).reshape(batch, -1, self.embed_dim)
@@ -91,11 +88,7 @@ class TimesformerSelfAttentionMixin:
     def forward(self, hidden_states, output_attentions=False):
         if output_attentions or hidden_states.dtype != self.qkv.weight.dtype:
             return super().forward(hidden_states, output_attentions)
-        batch, length, width = hidden_states.shape
-        q, k, v = self.qkv(hidden_states).view(batch, length, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        p = self.attn_drop.p if self.training else 0.0
-        context = attention(q, k, v, dropout_p=p, scale=self.scale)
-        return (context.transpose(1, 2).reshape(batch, length, width),)
+        return (fused_qkv_context(self.qkv, hidden_states, self.num_heads, self.attn_drop, self.scale),)
 
 
 class ReducedSelfAttentionMixin:
@@ -111,32 +104,34 @@ class ReducedSelfAttentionMixin:
         return (_attend(self, hidden_states, kv_states, self.dropout),)
 
     def _ff_reduce(self, hidden_states, height, width):
+        ratio, conv = self._ff_reduction  # the family's attribute names, set by its converter
         if getattr(self, "linear_attention", False):  # PVT v2's linear variant: pooled to 7 x 7
-            return _reduced(hidden_states, height, width, self.spatial_reduction, self.layer_norm, self.pool, self.act)
-        ratio = getattr(self, "sr_ratio", None) or getattr(self, "sequences_reduction_ratio", None) \
-            or getattr(self, "spatial_reduction_ratio", 1)
-        if ratio <= 1:
+            return _reduced(hidden_states, height, width, getattr(self, conv), self.layer_norm, self.pool, self.act)
+        if getattr(self, ratio) <= 1:
             return hidden_states
-        conv = getattr(self, "sr", None) or getattr(self, "sequence_reduction", None) or self.spatial_reduction
-        return _reduced(hidden_states, height, width, conv, self.layer_norm)
+        return _reduced(hidden_states, height, width, getattr(self, conv), self.layer_norm)
 
 
 _BERT_PARTS = ("query", "key", "value")
 
 
-def _converter(mixin: type, dropout: str, *fields: str):
+def _converter(mixin: type, dropout: str, *fields: str, reduction: Optional[tuple] = None):
+    """`reduction`: the (ratio, convolution) attribute names of a sequence-reduction form."""
     def convert(m: nn.Module, swap) -> Optional[str]:
         if not all(isinstance(getattr(m, n, None), nn.Linear) for n in _BERT_PARTS) \
                 or not isinstance(getattr(m, dropout, None), nn.Dropout) \
                 or not all(hasattr(m, f) for f in ("attention_head_size", "all_head_size") + fields):
             return "not BERT's written-out self-attention form (query / key / value linears, its dropout)"
+        if reduction is not None:
+            m._ff_reduction = reduction
         swap(m, mixin)
         return None
     return convert
 
 
 def convert_cvt_attention(m: nn.Module, swap) -> Optional[str]:
-    names = [f"{kind}_{part}" for kind in ("convolution_projection", "projection") for part in ("query", "key", "value")]
+    names = [f"{kind}_{part}" for kind in ("convolution_projection", "projection")
+             for part in ("query", "key", "value")]
     if not all(hasattr(m, n) for n in names + ["with_cls_token", "scale", "embed_dim", "num_heads"]) \
             or not all(isinstance(getattr(m, f"projection_{p}"), nn.Linear) for p in ("query", "key", "value")) \
             or not isinstance(getattr(m, "dropout", None), nn.Dropout):
@@ -156,10 +151,12 @@ def convert_timesformer_attention(m: nn.Module, swap) -> Optional[str]:
 # class name -> converter(module, swap) -> why not, or None (merged into hf_convert's table)
 VISION_ATTENTION = {
     "MobileViTSelfAttention": _converter(MobileViTSelfAttentionMixin, "dropout"),
-    "PvtEfficientSelfAttention": _converter(ReducedSelfAttentionMixin, "dropout", "sequences_reduction_ratio"),
+    "PvtEfficientSelfAttention": _converter(ReducedSelfAttentionMixin, "dropout", "sequences_reduction_ratio",
+                                            reduction=("sequences_reduction_ratio", "sequence_reduction")),
     "PvtV2SelfAttention": _converter(ReducedSelfAttentionMixin, "attn_drop", "spatial_reduction_ratio", "proj",
-                                     "linear_attention"),
-    "GLPNEfficientSelfAttention": _converter(ReducedSelfAttentionMixin, "dropout", "sr_ratio"),
+                                     "linear_attention", reduction=("spatial_reduction_ratio", "spatial_reduction")),
+    "GLPNEfficientSelfAttention": _converter(ReducedSelfAttentionMixin, "dropout", "sr_ratio",
+                                             reduction=("sr_ratio", "sr")),
     "CvtSelfAttention": convert_cvt_attention,
     "TimesformerSelfAttention": convert_timesformer_attention,
 }

@@ -62,7 +62,7 @@ from torch import nn
 
 from ..ops.attention import attention
 from ..ops.rotary import apply_rotary
-from .hf_own_attention import _weights_wanted
+from .hf_own_attention import _in_dtype, _weights_wanted
 
 
 def _batch_first_heads(x, head_dim):
@@ -119,14 +119,18 @@ def _context(module, hidden_states, attention_mask, encoder_hidden_states=None, 
     return context.transpose(1, 2).reshape(*hidden_states.shape[:-1], module.query.out_features)
 
 
+def fused_qkv_context(qkv: nn.Linear, hidden_states, num_heads: int, dropout: nn.Dropout, scale: float):
+    """ViT's (timm's) attention context (B, L, E) from one fused q / k / v projection, no mask."""
+    batch, length, width = hidden_states.shape
+    q, k, v = qkv(hidden_states).view(batch, length, 3, num_heads, -1).permute(2, 0, 3, 1, 4)
+    p = dropout.p if dropout.training else 0.0
+    context = attention(q, k, v, dropout_p=p, scale=scale)
+    return context.transpose(1, 2).reshape(batch, length, width)
+
+
 def _rotate_keys(k, v, *, cos, sin, values_too):
     return apply_rotary(k, cos, sin, interleaved=True), (apply_rotary(v, cos, sin, interleaved=True)
                                                          if values_too else v)
-
-
-def _in_dtype(mask, q):
-    """The model's additive mask in the activations' dtype (a mixed-dtype mask is refused)."""
-    return mask.to(q.dtype) if mask is not None and mask.dtype not in (torch.bool, q.dtype) else mask
 
 
 def _runs_original(module, hidden_states, kwargs, output_attentions=False) -> bool:
@@ -219,11 +223,8 @@ class BlipVisionAttentionMixin:
     def forward(self, hidden_states, **kwargs):
         if _weights_wanted(kwargs) or hidden_states.dtype != self.qkv.weight.dtype:
             return super().forward(hidden_states, **kwargs)
-        batch, length, width = hidden_states.shape
-        q, k, v = self.qkv(hidden_states).view(batch, length, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
-        p = self.dropout.p if self.training else 0.0
-        context = attention(q, k, v, dropout_p=p, scale=self.scale)
-        return self.projection(context.transpose(1, 2).reshape(batch, length, width)), None
+        context = fused_qkv_context(self.qkv, hidden_states, self.num_heads, self.dropout, self.scale)
+        return self.projection(context), None
 
 
 class TrOCRAttentionMixin:
