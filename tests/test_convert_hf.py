@@ -171,6 +171,28 @@ def test_converted_family_bf16_with_the_weight_grad_kernel(name, monkeypatch):
     assert calls and all(calls)
 
 
+@pytest.mark.parametrize("name", ["llama", "bert", "gpt2", "t5-gated"])
+def test_converted_family_bf16_on_the_packed_gemm(name, monkeypatch):
+    """The bf16 family test with the rule of CPUs whose torch bf16 GEMMs are generic code
+    (AVX2-only): every linear layer (GPT-2's Conv1D included) of more than 8 rows on the packed
+    GEMM, forward and backward."""
+    from fastformer import backends
+    if not (ff._ext.C is not None and hasattr(ff._ext.C, "ffn_linear_fwd")
+            and ff._ext.cpu_level() in ("avx2", "avx512")):
+        pytest.skip("the packed GEMM needs fastformer._C at the avx2 or avx512 level")
+    monkeypatch.setenv("FASTFORMER_CPU_LOWP_GEMM", "kernels")
+    backends.clear_cache()  # the FFN's route decisions are cached per call signature
+    calls = []
+    real = ff._ext.C.ffn_linear_bwd
+    monkeypatch.setattr(ff._ext.C, "ffn_linear_bwd", lambda *a: calls.append(a[0].dtype) or real(*a))
+    try:
+        test_converted_family_bf16_error_ratio(name)
+    finally:
+        monkeypatch.delenv("FASTFORMER_CPU_LOWP_GEMM")
+        backends.clear_cache()
+    assert calls and set(calls) == {torch.bfloat16}
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma", "bert", "gpt2", "t5"])
 def test_conversion_keeps_parameters_and_state_dict(name):
     model = _model(name)

@@ -189,6 +189,11 @@ def test_linear_uses_the_kernel_only_where_it_is_measured_faster():
         assert not lin.rows_kernel_takes(torch.randn(65, 32).bfloat16(), wb, None)
         w40 = torch.randn(8, 40).bfloat16()
         assert not lin.rows_kernel_takes(torch.randn(2, 40).bfloat16(), w40, None)
+    elif not cpu_gemm.fast_lowp_gemm(torch.bfloat16):  # torch's bf16 GEMM is generic code here
+        assert lin.max_rows(torch.bfloat16) == lin.SLOW_LOWP_MAX_ROWS == 8
+        assert lin.rows_kernel_takes(torch.randn(8, 32).bfloat16(), wb, None)
+        assert lin.rows_kernel_takes(torch.randn(3, 40).bfloat16(), torch.randn(8, 40).bfloat16(), None)
+        assert not lin.rows_kernel_takes(torch.randn(9, 32).bfloat16(), wb, None)
     else:
         assert not lin.rows_kernel_takes(torch.randn(2, 32).bfloat16(), wb, None)
     assert not lin.rows_kernel_takes(torch.randn(1, 32).double(), w.double(), None)

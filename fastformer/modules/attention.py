@@ -13,7 +13,6 @@ One call (batch-first shown; the (L, B, E) layout is handled with views, nothing
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional, Union
 
@@ -27,29 +26,6 @@ from ..reference.attention import CAUSAL_NONE, CAUSAL_TOP_LEFT, allowed_mask
 from .positional import RotaryEmbedding
 
 _FN = "MultiheadAttention"
-
-
-@functools.lru_cache(maxsize=None)
-def _cpu_has_fast_lowp_gemm() -> bool:
-    """Whether torch's CPU bf16/fp16 GEMMs have hardware support (AVX512-BF16/AMX/FP16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return True  # unknown: keep torch's own path
-    return any(flag in flags for flag in ("avx512_bf16", "amx_bf16", "avx512_fp16"))
-
-
-def _linear(x: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
-    """F.linear (ops/linear.py's: bf16 weight gradients on AMX); on CPUs without bf16/fp16 GEMM
-    hardware, a low-precision projection runs as an fp32 GEMM on upcast copies and is rounded
-    once (torch's bf16 GEMM reaches 1-15 GFLOP/s on such CPUs, fp32 ~100 on a 2-core Zen 3).
-    Same math as torch's (fp32 accumulation, one rounding of the output); autograd's casts
-    route the gradients the same way."""
-    if (x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
-            and not _cpu_has_fast_lowp_gemm()):
-        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
-    return linear(x, w, b)
 
 
 def _split_heads(t: Tensor, n: int, heads: int, batch_first: bool) -> list:
@@ -180,18 +156,18 @@ class MultiheadAttention(nn.MultiheadAttention):
         w, b = self.in_proj_weight, self.in_proj_bias
         if not self._qkv_same_embed_dim:
             bq, bk, bv = b.chunk(3) if b is not None else (None, None, None)
-            return [_split_heads(_linear(x, wx, bx), 1, H, bf)[0] for x, wx, bx in
+            return [_split_heads(linear(x, wx, bx), 1, H, bf)[0] for x, wx, bx in
                     ((query, self.q_proj_weight, bq), (key, self.k_proj_weight, bk),
                      (value, self.v_proj_weight, bv))]
         if query is key and key is value:
-            return _split_heads(_linear(query, w, b), 3, H, bf)
+            return _split_heads(linear(query, w, b), 3, H, bf)
         bq, bkv = (b[:E], b[E:]) if b is not None else (None, None)
-        q = _split_heads(_linear(query, w[:E], bq), 1, H, bf)[0]
+        q = _split_heads(linear(query, w[:E], bq), 1, H, bf)[0]
         if key is value:
-            return [q] + _split_heads(_linear(key, w[E:], bkv), 2, H, bf)
+            return [q] + _split_heads(linear(key, w[E:], bkv), 2, H, bf)
         bk, bv = (b[E:2 * E], b[2 * E:]) if b is not None else (None, None)
-        return [q, _split_heads(_linear(key, w[E:2 * E], bk), 1, H, bf)[0],
-                _split_heads(_linear(value, w[2 * E:], bv), 1, H, bf)[0]]
+        return [q, _split_heads(linear(key, w[E:2 * E], bk), 1, H, bf)[0],
+                _split_heads(linear(value, w[2 * E:], bv), 1, H, bf)[0]]
 
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
@@ -226,7 +202,7 @@ class MultiheadAttention(nn.MultiheadAttention):
             out, weights = attention(q, k, v, causal=bool(causal), key_padding_mask=kpm_ff,
                                      attn_mask=attn_mask_ff, dropout_p=dropout_p), None
         # (B, H, Lq, D) stored as (B, Lq, H, D): merging the heads is a free reshape.
-        out = _linear(out.transpose(1, 2).reshape(B, Lq, self.embed_dim), self.out_proj.weight,
+        out = linear(out.transpose(1, 2).reshape(B, Lq, self.embed_dim), self.out_proj.weight,
                        self.out_proj.bias)
         if not batched:
             out = out[0]

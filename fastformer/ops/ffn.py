@@ -31,7 +31,7 @@ from ..reference import ffn as ref
 from ..reference.ffn import ACTIVATIONS
 from ..reference.rng import draw_rng_state
 from . import prepack
-from .cpu_gemm import ONEDNN_POST_OPS, fast_bf16_gemm, onednn_post_ops, torch_fp32_gemm_wins
+from .cpu_gemm import ONEDNN_POST_OPS, fast_lowp_gemm, onednn_post_ops, torch_fp32_gemm_wins
 from .linear import PackedLinear, linear, max_rows, rows_kernel_takes, rows_linear, weight_grad
 from ._opdef import OpDef, Options, compiled, needs_grad, options, owned, rowwise
 
@@ -418,7 +418,7 @@ class _CpuOnednn(_VendorGemm):
             wins, why = torch_fp32_gemm_wins()
             if not wins:
                 return [f"fp32 with more than {max_rows(torch.float32)} token rows: {why}"]
-        if call.dtype == torch.bfloat16 and not fast_bf16_gemm():
+        if call.dtype == torch.bfloat16 and not fast_lowp_gemm(torch.bfloat16):
             return ["torch's bf16 GEMMs have no AVX512-BF16 / AMX-BF16 dot products on this CPU"]
         return []
 

@@ -23,8 +23,16 @@ AMX but with AVX512-BF16 (Zen 4 / Zen 5), bf16 weights (in features a multiple o
 VDPBF16PS forms, which read the weight as it lies where torch's oneDNN GEMM streams it at 16-21
 GB/s for 1-8 rows and 13 GB/s at 16: 2-core Zen 4, the same matrices, ours / torch, rows 1
 1.72x, 2 1.42x, 4 1.28x, 5 1.10x, 6 1.20x, 8 1.28x, 16 1.61x, 32 1.38x, 64 1.18x (425 GFLOP/s),
-96 1.09x; up to 64 taken. Without either, bf16 / fp16 weights take the fp32 dot form for one row
-only: with more rows the bf16-to-fp32 conversion per weight vector made it 0.6-0.9x torch's.
+96 1.09x; up to 64 taken. On a CPU with neither but with torch's bf16 GEMMs on dot products
+(an avx2 kernel level forced on such a CPU), bf16 / fp16 weights take the fp32 dot form for one
+row only: with more rows the bf16-to-fp32 conversion per weight vector made it 0.6-0.9x torch's.
+
+Where torch's bf16 / fp16 GEMMs are generic code (cpu_gemm.fast_lowp_gemm(): AVX2-only CPUs
+such as Zen 3), every such call is ours: 1-8 rows on the fp32 dot form (SLOW_LOWP_MAX_ROWS), more
+rows, with or without a gradient, on the packed GEMM, which converts the operands to fp32 as it
+packs them and rounds the output once (torch's own accumulation and rounding). 2-core Zen 3:
+torch's bf16 GEMM 19 GFLOP/s, the packed GEMM 135-151 forward and backward; a converted model's
+bf16 projections would otherwise run at an eighth of its fp32 speed.
 
 Weights stored in-major ((in, out), passed as the transposed view: GPT-2's Conv1D, gpt-oss's and
 Llama 4's stacked experts) take the kernel's in-major form for 1-8 rows (IN_MAJOR_MAX_ROWS below):
@@ -50,8 +58,8 @@ shapes; the forward's x W^T runs 1.7-2.0), where weight_grad.cpp's AMX kernel ru
 (Q) is the narrower one: (8192, 4096 x 1024) with Q the 4096 columns ran 63 ms against 45.
 
 Used by ``ff.convert`` on Hugging Face models (every nn.Linear, the LM head included) and by
-the FFN's cpu.onednn route. Under torch.compile a bf16 CPU call with a weight gradient, and an
-fp32 CPU call the packed GEMM takes, is the custom op ``fastformer::linear`` (its body and
+the FFN's cpu.onednn route. Under torch.compile a bf16 CPU call with a weight gradient on AMX,
+and a call the packed GEMM takes, is the custom op ``fastformer::linear`` (its body and
 backward take the kernels); other traced calls and calls that are not plain CPU tensor calls
 take ``F.linear``.
 """
@@ -73,6 +81,13 @@ MAX_ROWS = {"avx512": {torch.float32: 64, torch.bfloat16: 1, torch.float16: 1},
             "avx2": {torch.float32: 32, torch.bfloat16: 1, torch.float16: 1}}
 MAX_AMX_ROWS = 64
 MAX_DOT_ROWS = 64  # bf16 on AVX512-BF16 without AMX
+# bf16 / fp16 where torch's GEMMs in that dtype are generic code (cpu_gemm.fast_lowp_gemm()):
+# torch's bf16 call costs a GEMV per row, the fp32 dot form reads the weight once. 2-core Zen 3
+# (AVX2), x (rows, 4096) by four 4096^2 bf16 weights in turn, medians of 12, torch / ours: rows 1
+# 1.37x, 2 2.31x, 3 2.41x, 4 2.75x, 6 2.48x, 8 2.14x (the packed GEMM, which converts and packs
+# the weight on every call: 0.29x at 1 row, 0.85x at 4, 1.51x at 6, 1.54x at 8, 5.0x at 64);
+# fp16 weights alike (rows 1 1.36x, 2 2.55x, 4 2.34x, 8 3.31x; the packed GEMM at 9 rows 2.50x).
+SLOW_LOWP_MAX_ROWS = 8
 # MKL's fp32 GEMM on an Intel CPU reads the weights as fast as the kernel for 1-3 rows and has
 # less per-call cost: 2-core AMX Xeon, ours / torch, (11008 x 4096, 4096 x 11008, 4096 x 4096)
 # fp32 weights in turn (memory-bound) 1 row 1.01x, 2 rows 0.98x, 3 rows 0.94x, 4 rows 1.78x;
@@ -113,7 +128,10 @@ def max_rows(dtype: torch.dtype) -> int:
         return MAX_AMX_ROWS
     if dtype == torch.bfloat16 and _ext.bf16_dot_in_use():
         return MAX_DOT_ROWS
-    return MAX_ROWS.get(_ext.cpu_level(), {}).get(dtype, 0)
+    most = MAX_ROWS.get(_ext.cpu_level(), {}).get(dtype, 0)
+    if most and dtype in LOW_PRECISION and not cpu_gemm.fast_lowp_gemm(dtype):
+        return SLOW_LOWP_MAX_ROWS
+    return most
 
 
 def rows_kernel_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool:
@@ -133,8 +151,8 @@ def rows_kernel_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool
         return False
     return (x.device.type == "cpu" and weight.device.type == "cpu" and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
-            and (rows == 1 or x.dtype == torch.float32 or x.shape[-1] % 32 == 0  # bf16: 32-value steps
-                 or weight.stride(1) != 1)
+            and (rows <= SLOW_LOWP_MAX_ROWS or x.dtype == torch.float32  # the fp32 dot form, any in
+                 or x.shape[-1] % 32 == 0 or weight.stride(1) != 1)  # AMX / dot forms: 32-value steps
             and (bias is None or (_plain(bias) and bias.dtype == x.dtype
                                   and bias.shape == (weight.shape[0],) and bias.is_contiguous()))
             and _ext.C is not None and hasattr(_ext.C, "linear_rows"))
@@ -173,16 +191,30 @@ class PackedLinear(torch.autograd.Function):
         return tuple(g if need else None for g, need in zip((dx, dw, db), ctx.needs_input_grad))
 
 
-def packed_fp32_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor], rows: int) -> bool:
-    """Whether an fp32 call of `rows` rows runs on the packed GEMM (the rule measured above)."""
-    return (x.dtype == torch.float32 and weight.dtype == torch.float32 and rows > max_rows(torch.float32)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def packed_gemm_wins(dtype: torch.dtype) -> bool:
+    """Whether calls in dtype of more rows than max_rows() run on the packed GEMM here: fp32 where
+    torch's fp32 GEMM is generic code (the rule measured above), bf16 / fp16 where torch's GEMMs
+    in them are (cpu_gemm.fast_lowp_gemm(): on a 2-core Zen 3 the packed GEMM converts to fp32 and
+    runs at 135-151 GFLOP/s forward and backward, torch's bf16 GEMM at 19)."""
+    if _ext.C is None or not hasattr(_ext.C, "ffn_linear_fwd") or _ext.cpu_level() not in ("avx2", "avx512"):
+        return False
+    if dtype == torch.float32:
+        return not cpu_gemm.torch_fp32_gemm_wins()[0]
+    return dtype in LOW_PRECISION and not cpu_gemm.fast_lowp_gemm(dtype)
+
+
+def packed_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor], rows: int) -> bool:
+    """Whether a call of `rows` rows runs on the packed GEMM (packed_gemm_wins() and its layout)."""
+    return (rows > max_rows(x.dtype) and weight.dtype == x.dtype
             and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
             and weight.shape[1] == x.shape[-1] and not torch.compiler.is_compiling()
             and _plain(x) and _plain(weight)
-            and (bias is None or (_plain(bias) and bias.dtype == torch.float32
+            and (bias is None or (_plain(bias) and bias.dtype == x.dtype
                                   and bias.shape == (weight.shape[0],) and bias.is_contiguous()))
-            and _ext.C is not None and hasattr(_ext.C, "ffn_linear_fwd")
-            and _ext.cpu_level() in ("avx2", "avx512") and not cpu_gemm.torch_fp32_gemm_wins()[0])
+            and packed_gemm_wins(x.dtype))
 
 
 # Fewest tokens (the GEMM's K) for which weight_grad.cpp takes a weight gradient. torch's mm
@@ -222,10 +254,10 @@ def weight_grad(dy: Tensor, x: Tensor) -> Tensor:
 
 def _linear_grads(dy: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_w: bool, need_b: bool):
     """(dx, dW, db) of y = x W^T + b, None where not needed: dx on torch's GEMM (oneDNN runs it
-    at 1.7-2.1 TFLOP/s on AMX), dW from weight_grad(); fp32 calls the packed GEMM takes (under
+    at 1.7-2.1 TFLOP/s on AMX), dW from weight_grad(); calls the packed GEMM takes (under
     torch.compile, through fastformer::linear_bwd) all three on it."""
     dy2 = rowwise(dy).reshape(-1, dy.shape[-1])
-    if dy.dtype == torch.float32 and packed_fp32_takes(x, weight, None, dy2.shape[0]):
+    if packed_takes(x, weight, None, dy2.shape[0]):
         grads = _ext.C.ffn_linear_bwd(dy2.contiguous(), x, weight, need_x, need_w, need_b)
         return tuple(g if need else None for g, need in zip(grads, (need_x, need_w, need_b)))
     dx = (dy2 @ weight).reshape(x.shape) if need_x else None
@@ -256,7 +288,7 @@ class _Linear(torch.autograd.Function):
 @torch.library.custom_op("fastformer::linear", mutates_args=())
 def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     rows = x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] > 0 else 0
-    if x.dtype == torch.float32 and packed_fp32_takes(x, weight, bias, rows):
+    if packed_takes(x, weight, bias, rows):
         return _ext.C.ffn_linear_fwd(x, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
@@ -299,41 +331,42 @@ _linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 _COMPILE_VIA_OP = _ext.C is not None and hasattr(_ext.C, "weight_grad") and bool(_ext.C.use_amx_bf16())
 
 
-def _compiled_fp32_min_rows() -> int:
-    """Under torch.compile, the fewest rows for which an fp32 CPU call takes the op (whose body
-    runs the packed GEMM where packed_fp32_takes() holds at run time); 0 where the packed GEMM is
-    not taken here. Read once at import into _COMPILE_FP32_MIN_ROWS, a constant of every trace:
+def _compiled_min_rows() -> dict:
+    """Under torch.compile, per dtype, the fewest rows for which a CPU call takes the op (whose
+    body runs the packed GEMM where packed_takes() holds at run time); none where the packed GEMM
+    is not taken here. Read once at import into _COMPILE_MIN_ROWS, a constant of every trace:
     the rule reads the CPU and the environment, which dynamo does not trace (and
     torch.compiler.assume_constant_result, applied at import, imports dynamo and with it
     triton). Compiled without it, a converted fp32 Llama-style model ran 1.42x (inference) and
     1.16x (training step) slower than uncompiled on a 2-core Zen 5 (torch's generic fp32 GEMMs)."""
-    try:
-        if (_ext.C is None or not hasattr(_ext.C, "ffn_linear_fwd")
-                or _ext.cpu_level() not in ("avx2", "avx512") or cpu_gemm.torch_fp32_gemm_wins()[0]):
-            return 0
-    except ValueError:  # a bad FASTFORMER_CPU_FFN_FP32_GEMM: the eager call says so
-        return 0
-    return max_rows(torch.float32) + 1
+    least = {}
+    for dtype in (torch.float32, *LOW_PRECISION):
+        try:
+            if packed_gemm_wins(dtype):
+                least[dtype] = max_rows(dtype) + 1
+        except ValueError:  # a bad FASTFORMER_CPU_FFN_FP32_GEMM: the eager call says so
+            pass
+    return least
 
 
-_COMPILE_FP32_MIN_ROWS = _compiled_fp32_min_rows()
+_COMPILE_MIN_ROWS = _compiled_min_rows()
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``F.linear(x, weight, bias)``; a few rows without autograd on linear_rows.cpp, fp32 calls
-    of more rows on the packed GEMM where torch's fp32 GEMM is generic code, bf16 calls without
+    """``F.linear(x, weight, bias)``; a few rows without autograd on linear_rows.cpp, calls of
+    more rows on the packed GEMM where torch's GEMM in their dtype is generic code, bf16 calls without
     autograd on a prepacked weight's blocked copy (ops/prepack.py), a bf16 weight gradient on
     weight_grad.cpp (eager, and under torch.compile through the custom op fastformer::linear)."""
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                         or (bias is not None and bias.requires_grad))
-    if x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] > 0:
+    if x.dtype in (torch.float32, *LOW_PRECISION) and x.dim() >= 1 and x.shape[-1] > 0:
         rows = x.numel() // x.shape[-1]
         if torch.compiler.is_compiling():
-            least = _COMPILE_FP32_MIN_ROWS
-            if (least and rows >= least and weight.dtype == torch.float32 and weight.dim() == 2
+            least = _COMPILE_MIN_ROWS.get(x.dtype)
+            if (least and rows >= least and weight.dtype == x.dtype and weight.dim() == 2
                     and x.device.type == "cpu"):
                 return _linear_op(x, weight, bias)
-        elif packed_fp32_takes(x, weight, bias, rows):
+        elif packed_takes(x, weight, bias, rows):
             return PackedLinear.apply(x, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     if not grad:
         if rows_kernel_takes(x, weight, bias):
