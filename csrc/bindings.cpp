@@ -276,7 +276,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("relative_bias_bwd", &cb::relative_bias_bwd, "(dc2p, dp2c) of relative_bias_fwd (None where not needed)");
   m.def("ffn_fwd", &cb::ffn_fwd);
   m.def("ffn_bwd", &cb::ffn_bwd);
-  m.def("ffn_linear_fwd", &cb::ffn_linear_fwd, "x w^T + b on the FFN's packed GEMM");
+  m.def("ffn_linear_fwd", &cb::ffn_linear_fwd, "x w^T + b on the FFN's packed GEMM", py::arg("x"),
+        py::arg("w"), py::arg("b"), py::arg("out") = py::none());
   m.def("ffn_linear_bwd", &cb::ffn_linear_bwd, "{dx, dw, db} of ffn_linear_fwd");
   m.def("ffn_down_fwd", &cb::ffn_down_fwd, "(act(gate) [* up]) w2^T + b2 on the packed GEMM");
   m.def("ffn_down_bwd", &cb::ffn_down_bwd, "{d_gate, d_up, dw2, db2} of ffn_down_fwd");

@@ -255,6 +255,34 @@ def test_fp64_gradcheck_cpu(monkeypatch):
             assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-7, rtol=1e-6)
 
 
+@pytest.mark.parametrize("gemms", ["torch", "packed"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[6]], ids=_case_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+def test_cpu_gemm_routes_match_oracle(dtype, case, reduction, gemms, monkeypatch):
+    """The cpu backend's chunk loop on torch's GEMMs and on the packed GEMM, each forced (as on
+    an Intel CPU, and an AVX2-only one whose torch GEMMs in bf16 / fp16 are generic code): 3
+    chunks, vocab slices of 64 rows (d weight added slice by slice after a first chunk)."""
+    if "cpu" not in CPU_BACKENDS:
+        pytest.skip("no cpu backend")
+    if gemms == "packed" and (ff._ext.C is None or not hasattr(ff._ext.C, "ffn_linear_fwd")
+                              or ff._ext.cpu_level() not in ("avx2", "avx512")):
+        pytest.skip("the packed GEMM needs fastformer._C at the avx2 or avx512 level")
+    from fastformer.ops import linear as ops_linear
+    monkeypatch.setattr(ops_linear, "packed_gemm_wins", lambda dt: gemms == "packed")
+    calls = []
+    if gemms == "packed":
+        real = ff._ext.C.ffn_linear_fwd
+        monkeypatch.setattr(ff._ext.C, "ffn_linear_fwd", lambda *a: calls.append(1) or real(*a))
+    N, d, V, bias, ls, cap, ignored = case
+    _chunks_of(monkeypatch, -(-N // 3), V)
+    monkeypatch.setattr(lce_ref, "SLICE_ELEMENTS", 64 * d)
+    x, W, t, b = _inputs(N, d, V, bias, ignored, dtype)
+    _compare(x, W, t, b, reduction, ls, cap, "cpu")
+    assert len(calls) == (0 if gemms == "torch" else 3 * (1 + (reduction == "none")))
+
+
 def test_bf16_weight_grad_accumulates_without_a_rounding_per_chunk(monkeypatch):
     """d weight over 32 chunks: the compensated (hi, lo) accumulation stays near eager bf16's
     single-GEMM error, where rounding the running sum to bf16 once per chunk would not."""

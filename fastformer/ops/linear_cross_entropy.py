@@ -25,6 +25,7 @@ from torch import Tensor
 from .. import _checks, _ext, backends
 from ..backends import EVERY_OPTION, GPU_FLOAT, Impl
 from ..reference import linear_cross_entropy as ref
+from . import linear
 from ._opdef import OpDef, Options, options, owned
 
 
@@ -97,14 +98,18 @@ class _Chunked(Impl):
     def pair_add(self, hi, lo, p, read_lo=True, write_lo=True):
         ref.pair_add(hi, lo, p, read_lo, write_lo)
 
+    def gemms(self, dtype: torch.dtype):
+        """The chunk loop's GEMMs for inputs of dtype (reference.TorchGemms' methods)."""
+        return ref.TorchGemms
+
     def fwd(self, x, weight, bias, o):
-        return ref.forward(x, weight, bias, o, self.rows, self.pair_add)
+        return ref.forward(x, weight, bias, o, self.rows, self.pair_add, self.gemms(x.dtype))
 
     def bwd(self, grads, saved, o, needs, alias=False):
         x, weight, bias, lse, dx, dw, db = saved
         if o.reduction == ref.NONE:
             return ref.backward_none(grads[0], x, weight, bias, lse, o, needs, self.rows,
-                                     self.pair_add)
+                                     self.pair_add, self.gemms(x.dtype))
         return ref.scale_grads(grads[0], (dx, dw, db), needs, alias)
 
     def autograd(self, x, weight, bias, o):
@@ -146,12 +151,38 @@ class _Triton(_Chunked):
         linear_cross_entropy_triton.rows(*args)
 
 
+class _PackedGemms:
+    """The chunk loop's GEMMs on csrc/cpu/ffn.cpp's packed GEMM (ops/linear.py's, taken where
+    torch's GEMM in the dtype is generic code: bf16 on AVX2-only CPUs ran 19 GFLOP/s in torch, 150
+    here on a 2-core Zen 3). Its gradients come out as new tensors: d weight is added per vocab
+    slice (the slice of dz copied contiguous, C x SLICE_ELEMENTS / d values) instead of in place."""
+
+    accumulates_in_place = False
+
+    @staticmethod
+    def logits(xc, weight, bias, out):
+        return _ext.C.ffn_linear_fwd(xc, weight, bias, out)
+
+    @staticmethod
+    def input_grad(dz, xc, weight, out):
+        out.copy_(_ext.C.ffn_linear_bwd(dz, xc, weight, True, False, False)[0])
+
+    @staticmethod
+    def weight_grad(dz, xc, out):
+        # the weight argument gives the kernel its (s, d) shape only: dx is not asked for
+        return _ext.C.ffn_linear_bwd(dz.contiguous(), xc, out, False, True, False)[1]
+
+
 @LINEAR_CROSS_ENTROPY.implementation
 class _Cpu(_Chunked):
     """Row pass and pair accumulation: csrc/cpu/linear_cross_entropy.cpp; GEMMs: torch
-    (oneDNN / MKL)."""
+    (oneDNN / MKL), or the packed GEMM where torch's is generic code in the dtype
+    (ops/linear.py's packed_gemm_wins())."""
 
     backend = "cpu"
+
+    def gemms(self, dtype):
+        return _PackedGemms if linear.packed_gemm_wins(dtype) else ref.TorchGemms
 
     @staticmethod
     def rows(z, target, loss, lse, o, scale, row_scale, compute_loss, write_grad, dbias):

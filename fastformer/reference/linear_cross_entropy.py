@@ -19,7 +19,9 @@ The loss is returned in the accumulation dtype, fp32 (fp64 for fp64 inputs), as 
 dtypes of x, W and b.
 
 Algorithm, per chunk of C tokens (``chunk_rows``):
-  1. z_c = x_c W^T (+ b)                  GEMM (torch.mm / addmm: oneDNN or MKL on CPU, cuBLAS)
+  1. z_c = x_c W^T (+ b)                  GEMM (torch.mm / addmm: oneDNN or MKL on CPU, cuBLAS;
+                                          TorchGemms below, or a backend's own: the cpu one's
+                                          packed GEMM where torch's is generic code)
                                           into a (C, V) buffer in x's dtype, fp32 accumulation
   2. row pass over z_c                    max, log-sum-exp, loss_i, and for "mean" / "sum" with
                                           gradients, d loss / d z_c times 1 / #valid (mean)
@@ -36,7 +38,8 @@ dz = g_i (softmax - one-hot ...) from the saved lse (no max / sum sweeps) and ru
 4 GEMMs in all instead of 3, and an evaluation forward does 1. Precomputing dx in the forward
 would not save the backward's recomputation of z (dW needs g), only move a GEMM.
 
-d weight accumulation, by dtype: fp32 / fp64, addmm_ into dW in place (beta = 1). bf16: the
+d weight accumulation, by dtype: fp32 / fp64, addmm_ into dW in place (beta = 1; with GEMMs
+that return new tensors, the packed GEMM's, per vocab slice as below, added in fp32). bf16: the
 chunk's partial products are bf16 GEMM outputs (torch's CPU GEMMs have no fp32 output for
 bf16 inputs), computed over vocab slices of SLICE_ELEMENTS into a small temporary and added
 into a compensated pair (hi, lo) of bf16 buffers (hi + lo carries ~16 significant bits:
@@ -123,10 +126,35 @@ def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
         torch._assert_async(~bad.any(), "linear_cross_entropy: `target` out of range")
 
 
-def _linear(xc: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor) -> Tensor:
-    if bias is None:
-        return torch.mm(xc, weight.t(), out=out)
-    return torch.addmm(bias, xc, weight.t(), out=out)
+class TorchGemms:
+    """The chunk loop's three GEMMs on torch's (oneDNN / MKL on CPU, cuBLAS). A backend may pass
+    its own with the same methods (ops/linear_cross_entropy.py: the packed GEMM on CPUs whose
+    torch GEMM in the dtype is generic code)."""
+
+    # weight_grad_add() accumulates in place (addmm_); else WeightGrad adds vocab slices
+    accumulates_in_place = True
+
+    @staticmethod
+    def logits(xc: Tensor, weight: Tensor, bias: Optional[Tensor], out: Tensor) -> Tensor:
+        """out = xc W^T (+ b): the chunk's logits (C, V)."""
+        if bias is None:
+            return torch.mm(xc, weight.t(), out=out)
+        return torch.addmm(bias, xc, weight.t(), out=out)
+
+    @staticmethod
+    def input_grad(dz: Tensor, xc: Tensor, weight: Tensor, out: Tensor) -> None:
+        """out = dz W: the chunk's rows of dx (xc: the chunk's inputs, for the kernels' shapes)."""
+        torch.mm(dz, weight, out=out)
+
+    @staticmethod
+    def weight_grad(dz: Tensor, xc: Tensor, out: Tensor) -> Tensor:
+        """dz^T xc for a vocab slice dz (C, s) of the chunk's gradient; returns it (in out)."""
+        return torch.mm(dz.t(), xc, out=out)
+
+    @staticmethod
+    def weight_grad_add(acc: Tensor, dz: Tensor, xc: Tensor) -> None:
+        """acc += dz^T xc in place (accumulates_in_place)."""
+        acc.addmm_(dz.t(), xc)
 
 
 def _chunks(tokens: int, rows: int):
@@ -197,20 +225,22 @@ class WeightGrad:
     took 35 ms each at (32000, 2048) bf16 on a 2-core Xeon (fresh pages), 7% of a Llama-style
     bf16 training step's time with the final hi + lo pass."""
 
-    def __init__(self, weight: Tensor, pair_add_fn: Callable):
+    def __init__(self, weight: Tensor, pair_add_fn: Callable, gemms=TorchGemms):
         V, d = weight.shape
         self.dtype = weight.dtype
         self.pair_add = pair_add_fn
+        self.gemms = gemms
         self.chunks = 0          # chunks added so far
         self.lo_written = False  # the pair's lo holds the running low part
         opts = dict(dtype=weight.dtype, device=weight.device)
-        if weight.dtype in (torch.float32, torch.float64):
+        self.slice = max(1, SLICE_ELEMENTS // max(1, d))
+        direct = weight.dtype in (torch.float32, torch.float64)
+        if not (direct and gemms.accumulates_in_place):
+            self.tmp = torch.empty((min(self.slice, V), d), **opts)
+        if direct:
             self.mode = "direct"
             self.acc = torch.empty((V, d), **opts)
-            return
-        self.slice = max(1, SLICE_ELEMENTS // max(1, d))
-        self.tmp = torch.empty((min(self.slice, V), d), **opts)
-        if weight.dtype == torch.bfloat16:
+        elif weight.dtype == torch.bfloat16:
             self.mode = "pair"
             self.hi = torch.empty((V, d), **opts)
             self.lo = None
@@ -221,23 +251,23 @@ class WeightGrad:
     def add(self, dz: Tensor, xc: Tensor, last: bool = False) -> None:
         first = self.chunks == 0
         self.chunks += 1
-        if self.mode == "direct":
-            if first:
-                torch.mm(dz.t(), xc, out=self.acc)
-            else:
-                self.acc.addmm_(dz.t(), xc)
-            return
-        if self.mode == "pair" and first:
-            torch.mm(dz.t(), xc, out=self.hi)
-            return
+        if self.gemms.accumulates_in_place:
+            if self.mode == "direct" and not first:
+                self.gemms.weight_grad_add(self.acc, dz, xc)
+                return
+            if self.mode in ("direct", "pair") and first:
+                self.gemms.weight_grad(dz, xc, self.acc if self.mode == "direct" else self.hi)
+                return
         V = dz.shape[1]
-        write_lo = self.mode == "pair" and not last
+        write_lo = self.mode == "pair" and not (first or last)  # a first chunk's p is copied to hi
         if write_lo and self.lo is None:
             self.lo = torch.empty_like(self.hi)
         for v0 in range(0, V, self.slice):
             v1 = min(V, v0 + self.slice)
-            p = torch.mm(dz[:, v0:v1].t(), xc, out=self.tmp[:v1 - v0])
-            if self.mode == "pair":
+            p = self.gemms.weight_grad(dz[:, v0:v1], xc, self.tmp[:v1 - v0])
+            if self.mode == "pair" and first:
+                self.hi[v0:v1].copy_(p)
+            elif self.mode == "pair":
                 lo = self.lo[v0:v1] if self.lo is not None else None
                 self.pair_add(self.hi[v0:v1], lo, p, self.lo_written, write_lo)
             elif first:
@@ -261,7 +291,7 @@ class WeightGrad:
 
 # ---- forward and backward ------------------------------------------------------------------
 def _sweep(x: Tensor, weight: Tensor, bias: Optional[Tensor], dx: Optional[Tensor],
-           dw: Optional["WeightGrad"], row_pass: Callable):
+           dw: Optional["WeightGrad"], row_pass: Callable, gemms=TorchGemms):
     """The chunk loop: per chunk of rows, its logits z = x W^T + b into one reused (C, V)
     buffer, row_pass(z, span) (which may overwrite z with its gradient), then dx[span] = z W
     and dW += z^T x[span] when asked."""
@@ -271,16 +301,16 @@ def _sweep(x: Tensor, weight: Tensor, bias: Optional[Tensor], dx: Optional[Tenso
     buf = x.new_empty((C, V)) if N else None
     for start, end in _chunks(N, C):
         z, xc, span = buf[:end - start], x[start:end], slice(start, end)
-        _linear(xc, weight, bias, z)
+        gemms.logits(xc, weight, bias, z)
         row_pass(z, span)
         if dx is not None:
-            torch.mm(z, weight, out=dx[span])
+            gemms.input_grad(z, xc, weight, dx[span])
         if dw is not None:
             dw.add(z, xc, last=end == N)
 
 
 def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], o, rows_fn: RowsFn = rows,
-            pair_add_fn: Callable = pair_add):
+            pair_add_fn: Callable = pair_add, gemms=TorchGemms):
     """Returns (loss, dx, dweight, dbias, lse): the loss ((N,) for "none", else 0-dim) and lse
     (N,) in the accumulation dtype; for "mean" / "sum", the gradients the options ask for
     (grad_x, grad_weight, grad_bias), else empty tensors."""
@@ -297,14 +327,14 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], o, rows_fn: RowsF
     loss_rows = torch.empty(N, dtype=acc, device=x.device)
     lse = torch.empty(N, dtype=acc, device=x.device)
     dx = x.new_empty((N, d) if need_dx else (0,))
-    dw = WeightGrad(weight, pair_add_fn) if need_dw else None
+    dw = WeightGrad(weight, pair_add_fn, gemms) if need_dw else None
     db = torch.zeros(V, dtype=torch.float64, device=x.device) if need_db else None
     scale = 1.0
     if grads and o.reduction == MEAN:
         scale = 1.0 / valid.to(acc)
     _sweep(x, weight, bias, dx if need_dx else None, dw,
            lambda z, span: rows_fn(z, target[span], loss_rows[span], lse[span], o, scale, None,
-                                   True, grads, db))
+                                   True, grads, db), gemms)
     if o.reduction == NONE:
         loss = loss_rows
     elif o.reduction == SUM:
@@ -317,7 +347,7 @@ def forward(x: Tensor, weight: Tensor, bias: Optional[Tensor], o, rows_fn: RowsF
 
 
 def backward_none(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor], lse: Tensor, o,
-                  needs, rows_fn: RowsFn = rows, pair_add_fn: Callable = pair_add):
+                  needs, rows_fn: RowsFn = rows, pair_add_fn: Callable = pair_add, gemms=TorchGemms):
     """reduction="none": (dx, dweight, dbias) for the upstream gradient (N,) of the losses,
     each chunk's logits recomputed (None where not needed)."""
     N, d = x.shape
@@ -328,12 +358,12 @@ def backward_none(grad: Tensor, x: Tensor, weight: Tensor, bias: Optional[Tensor
         return None, None, None
     g = grad.reshape(-1).to(acc_dtype(x.dtype)).contiguous()
     dx = x.new_empty((N, d)) if need_dx else None
-    dw = WeightGrad(weight, pair_add_fn) if need_dw else None
+    dw = WeightGrad(weight, pair_add_fn, gemms) if need_dw else None
     db = torch.zeros(V, dtype=torch.float64, device=x.device) if need_db else None
     target = o.target
     _sweep(x, weight, bias, dx, dw,
            lambda z, span: rows_fn(z, target[span], lse[span], lse[span], o, 1.0, g[span],
-                                   False, True, db))
+                                   False, True, db), gemms)
     return (dx, dw.result() if dw is not None else None,
             db.to(bias.dtype) if db is not None else None)
 

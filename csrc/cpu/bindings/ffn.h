@@ -116,7 +116,8 @@ inline std::vector<Tensor> ffn_bwd(const Tensor& dy, const Tensor& x, const Tens
 }
 
 // ---- the FFN's two layers as separate calls (FfnLayers; ops/ffn.py's gated eager route) ------
-// ffn_linear_fwd(x, w, b) -> pre = x w^T + b, (tokens, F) contiguous: GEMM1 without activation.
+// ffn_linear_fwd(x, w, b, out=None) -> pre = x w^T + b, (tokens, F) contiguous: GEMM1 without
+// activation, written into out when given ((tokens, F) contiguous in x's dtype).
 // ffn_linear_bwd(d_pre, x, w, need_dx, need_dw, need_db) -> {dx, dw, db} (empty if not asked).
 // ffn_down_fwd(gate, up, w2, b2, o) -> y = (act(gate) [* up]) w2^T + b2, (tokens, D).
 // ffn_down_bwd(dy, gate, up, w2, o, need_pre, need_dw2, need_db2) -> {d_gate, d_up, dw2, db2}.
@@ -149,14 +150,19 @@ inline void run_ffn(cpu::FfnArgs& a, bool backward) {
   else cpu::kernels().ffn_fwd(a);
 }
 
-inline Tensor ffn_linear_fwd(const Tensor& x, const Tensor& w, const optional<Tensor>& b) {
+inline Tensor ffn_linear_fwd(const Tensor& x, const Tensor& w, const optional<Tensor>& b,
+                             const optional<Tensor>& out) {
   const int64_t D = x.size(-1), tokens = D == 0 ? 0 : x.numel() / D;
   TORCH_CHECK(w.dim() == 2 && w.size(1) == D, "fastformer._C.ffn_linear_fwd: w must be (F, D)");
   cpu::FfnArgs a = ffn_layer_args(x, tokens, D, w.size(0), cpu::kFfnFirst, FfnOptions{});
   a.x = matrix_view(x);
   a.w1 = matrix_view(w);
   a.b1 = ptr_or_null(b);
-  Tensor pre = at::empty({tokens, a.hidden}, x.options());
+  const Tensor* given = present(out);
+  Tensor pre = given ? *given : at::empty({tokens, a.hidden}, x.options());
+  TORCH_CHECK(pre.dim() == 2 && pre.size(0) == tokens && pre.size(1) == a.hidden && pre.is_contiguous()
+              && pre.scalar_type() == x.scalar_type() && pre.device().is_cpu(),
+              "fastformer._C.ffn_linear_fwd: out must be (tokens, F) contiguous in x's dtype");
   a.hidden_buf = pre.data_ptr();
   a.store_preactivation = true;
   run_ffn(a, false);
