@@ -134,6 +134,26 @@ def test_cpu_fp32_routes_match_eager(monkeypatch, route, tokens, d, hidden, dtyp
         backends.clear_cache()
 
 
+# bf16 where torch's bf16 GEMMs are generic code (AVX2-only CPUs; forced here on every machine):
+# the packed kernel, except few-row calls, whose projections take ops/linear.py's few-row kernel.
+@pytest.mark.parametrize("tokens", [1, 5, 8, 9, 17])
+@pytest.mark.parametrize("gated", [False, True])
+def test_cpu_bf16_routes_without_fast_bf16_gemms(monkeypatch, tokens, gated):
+    from fastformer import backends
+    from fastformer.ops import cpu_gemm
+    if ff._ext.cpu_level() not in ("avx2", "avx512"):
+        pytest.skip("the few-row kernel runs at the avx2 and avx512 levels")
+    monkeypatch.setenv(cpu_gemm.LOWP_GEMM_ENV, "kernels")
+    backends.clear_cache()
+    try:
+        _backend_matches_eager("cpu", tokens, 72, 203, torch.bfloat16, "silu" if gated else "gelu", gated, True)
+        want = "cpu.onednn" if tokens <= max_rows(torch.bfloat16) else "cpu"
+        assert ff.last_dispatch().impl == want, ff.last_dispatch()
+    finally:
+        monkeypatch.undo()
+        backends.clear_cache()
+
+
 # bf16 on a CPU with AMX (avx512 kernels, AMX on) takes torch's AMX GEMMs (ops/ffn.py,
 # cpu.onednn) unless there is dropout; with AMX off, csrc/cpu/ffn.cpp. Both, on every machine
 # that has AMX (the cases above take whichever is on).
