@@ -32,7 +32,7 @@ from ..reference.ffn import ACTIVATIONS
 from ..reference.rng import draw_rng_state
 from . import prepack
 from .cpu_gemm import ONEDNN_POST_OPS, fast_lowp_gemm, onednn_post_ops, torch_fp32_gemm_wins
-from .linear import PackedLinear, linear, max_rows, rows_kernel_takes, rows_linear, weight_grad
+from .linear import LOW_PRECISION, PackedLinear, linear, max_rows, rows_kernel_takes, rows_linear, weight_grad
 from ._opdef import OpDef, Options, compiled, needs_grad, options, owned, rowwise
 
 _ACT_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
@@ -74,8 +74,7 @@ def _call(inputs, o: FfnOptions) -> backends.Call:
             f.add("last_dim_strided")
         if not _uniform_rows(x):
             f.add("rows_strided")
-    low = x.dtype in (torch.bfloat16, torch.float16)
-    if x.numel() <= max_rows(x.dtype if low else torch.float32) * x.shape[-1]:
+    if x.numel() <= max_rows(x.dtype if x.dtype in LOW_PRECISION else torch.float32) * x.shape[-1]:
         f.add("few_rows")  # the rows kernel's calls (ops/linear.py), whatever the GEMM rule
     return backends.Call("ffn", x.device.type, x.dtype, o.set_fields(), frozenset(f),
                          hidden=w1.shape[0])
