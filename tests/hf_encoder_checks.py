@@ -74,8 +74,9 @@ def assert_bf16_error_ratio(model, inputs, run=run_with_grads, sdpa_in=None, ref
     integration module whose `attention` the converted model calls) per quantity the larger of
     eager's and the same converted model's with that attention on torch's SDPA: a model whose
     attention transformers runs only as eager softmax code has no "sdpa" of its own, and on the
-    gradients that cancel in exact arithmetic (the key bias's) every flash-style backward, torch's
-    SDPA's included, is several times eager's error (ARCHITECTURE.md, "Numerical policy").
+    gradients that cancel in exact arithmetic (the key bias's) a flash-style backward with delta
+    from the rounded output, torch's SDPA's included, is several times eager's error
+    (ARCHITECTURE.md, "Numerical policy").
     `reference`: model -> the fp64 model to judge against (default: the model in fp64)."""
     at = inputs if callable(inputs) else (lambda dtype: inputs)
     bf16 = torch.bfloat16

@@ -320,6 +320,26 @@ struct Bf16Grads {
   }
 };
 
+// delta_i = sum_d dO_id O_id, O read in place (dO's padding columns are zero); bf16 / fp16
+// with the forward's rounding residual: O = out + residual, the fp32 output (store_out_row).
+template <typename T, typename A>
+A row_delta(const AttnArgs& a, int64_t b, int64_t h, int64_t i, const A* do_i) {
+  using V = Vectorized<A>;
+  const T* const o_row = row_ptr<T>(a.out, b, h, i);
+  const T* const r_row = a.out_residual.ptr ? row_ptr<T>(a.out_residual, b, h, i) : nullptr;
+  V sum(A(0));
+  for (int64_t d = 0; d < a.Dv; d += V::size()) {
+    const int64_t n = std::min<int64_t>(V::size(), a.Dv - d);
+    auto load = [&](const T* p) { return n == V::size() ? load_acc(p + d) : load_acc(p + d, n); };
+    V o = load(o_row);
+    if constexpr (is_reduced_v<T>) {
+      if (r_row) o = o + load(r_row);
+    }
+    sum = at::vec::fmadd(o, V::loadu(do_i + d), sum);
+  }
+  return reduce_add(sum);
+}
+
 // One task: every query head of kv head (b, hkv) against the task's keys, shared by both GEMM
 // paths: per head, Q / dO staged and delta computed; per (key block, query block that can see
 // it) tile, the score GEMMs, P and dS row by row, the gradient GEMMs.
@@ -351,13 +371,7 @@ void backward_task(const BwdCall<T>& c, const TaskKeys& t, Bf16Gemm kind) {
       A* const do_i = do_stage + (i % MR) * sh.Dv_pad;
       if (i < sh.Lq) {
         load_row(row_ptr<T>(a.dout, b, h, i), sh.Dv, sh.Dv_pad, do_i);
-        // delta_i = sum_d dO_id O_id, O read in place (dO's padding columns are zero)
-        const T* o_row = row_ptr<T>(a.out, b, h, i);
-        V sum(A(0));
-        int64_t d = 0;
-        for (; d + kV <= sh.Dv; d += kV) sum = at::vec::fmadd(load_acc(o_row + d), V::loadu(do_i + d), sum);
-        if (d < sh.Dv) sum = at::vec::fmadd(load_acc(o_row + d, sh.Dv - d), V::loadu(do_i + d), sum);
-        delta_h[i] = reduce_add(sum);
+        delta_h[i] = row_delta<T>(a, b, h, i, do_i);
       } else {
         std::fill(do_i, do_i + sh.Dv_pad, A(0));
       }

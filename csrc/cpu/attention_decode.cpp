@@ -368,10 +368,7 @@ void attention_decode_typed(const AttnArgs& a, Bf16Gemm kind) {
     A rescale = A(1);
     if (a.sinks) rescale = softmax_join_sink_log2(m, l, static_cast<const A*>(a.sinks)[h] * static_cast<A>(kLog2e));
     const V inv(softmax_inv_sum(l) * rescale);
-    T* out_i = const_cast<T*>(row_ptr<T>(a.out, b, h, i));
-    int64_t d = 0;
-    for (; d + V::size() <= a.Dv; d += V::size()) store_acc(out_i + d, V::loadu(acc + d) * inv);
-    if (d < a.Dv) store_acc(out_i + d, V::loadu(acc + d) * inv, a.Dv - d);
+    store_out_row<T>(a, b, h, i, acc, inv);
     static_cast<A*>(a.lse)[b * a.lse_s[0] + h * a.lse_s[1] + i] = softmax_lse_log2(m, l);
   };
 

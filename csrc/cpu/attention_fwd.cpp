@@ -361,11 +361,7 @@ void query_block(const FwdCall<T>& c, Gemms& gemms, const Packed<acc_t<T>>& pk, 
   for (int64_t i = 0; i < n_q; ++i) {
     const A rescale = a.sinks ? softmax_join_sink_log2(row_max[i], row_sum[i], sink) : A(1);
     const V inv(softmax_inv_sum(row_sum[i]) * c.out_scale * rescale);
-    T* out_i = const_cast<T*>(row_ptr<T>(a.out, b, h, q0 + i));
-    const A* acc_i = acc + i * sh.Dv_pad;
-    int64_t d = 0;
-    for (; d + V::size() <= sh.Dv; d += V::size()) store_acc(out_i + d, V::loadu(acc_i + d) * inv);
-    if (d < sh.Dv) store_acc(out_i + d, V::loadu(acc_i + d) * inv, sh.Dv - d);
+    store_out_row<T>(a, b, h, q0 + i, acc + i * sh.Dv_pad, inv);
     c.lse[b * a.lse_s[0] + h * a.lse_s[1] + q0 + i] = softmax_lse_log2(row_max[i], row_sum[i]);
   }
 }

@@ -55,7 +55,7 @@ inline std::vector<AttnArgs> split_sequences(const AttnArgs& a) {
       if (e.key_padding_mask) e.key_padding_mask += s * a.kpm_s[0];
       e.attn_mask = shifted(e.attn_mask, s, 0, e.mask_is_bool ? 1 : dtype_size(e.mask_dtype));
     }
-    for (View4* v : {&e.q, &e.out, &e.dout, &e.dq}) *v = shifted(*v, qb, qr, elem);
+    for (View4* v : {&e.q, &e.out, &e.out_residual, &e.dout, &e.dq}) *v = shifted(*v, qb, qr, elem);
     for (View4* v : {&e.k, &e.v, &e.dk, &e.dv}) *v = shifted(*v, kb, kr, elem);
     if (e.lse) e.lse = static_cast<char*>(e.lse) + (qb * a.lse_s[0] + qr) * acc;
     if (e.alibi_slopes) e.alibi_slopes += s * a.alibi_s[0];

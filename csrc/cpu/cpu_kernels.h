@@ -133,6 +133,8 @@ struct AttnArgs {
   void* drel = nullptr;              // d rel_bias, rel_bias's layout
   // forward outputs / backward inputs
   View4 out;                         // (B, H, Lq, Dv)
+  View4 out_residual;                // bf16 / fp16, or ptr == nullptr: the output's rounding
+                                     //   residual (fp32 output - out, rounded; store_out_row)
   void* lse = nullptr;               // (B, H, Lq): row (b, h, i) at b * lse_s[0] + h * lse_s[1] + i,
   int64_t lse_s[2] = {0, 0};         //   f32 (f64 for f64 inputs)
   // backward only

@@ -10,8 +10,12 @@ One call, top to bottom:
        (csrc/cuda/attention*.cu) | ops/attention_triton.py (triton_kernels/attention.py)
        | reference/attention.py
 
-Saved for the backward: q, k, v, the output and the per-row log-sum-exp (fp32); the backward
-recomputes the probabilities tile by tile. Masks are passed as views (an attn_mask broadcast to
+Saved for the backward: q, k, v, the output and the per-row log-sum-exp (fp32), and for bf16 /
+fp16 on the CPU the output's rounding residual (out_residual: the fp32 output minus out, in the
+inputs' dtype; one more output-sized tensor), from which the backward's delta = dO . O is the
+unrounded output's (csrc/cpu/attention_common.h, store_out_row: gradients that cancel exactly,
+a key projection's bias, ~10x closer to fp64 than FlashAttention's delta from the rounded
+output); the backward recomputes the probabilities tile by tile. Masks are passed as views (an attn_mask broadcast to
 (B, H, Lq, Lk) has stride 0 on broadcast dims) and never materialized. Dropout keeps only
 (seed, offset) and regenerates its mask (reference/rng.py).
 """
@@ -175,13 +179,26 @@ def _out_like(q: Tensor, v: Tensor) -> Tensor:
     return q.new_empty((B, Lq, H, v.shape[-1])).transpose(1, 2)
 
 
+def _with_residual(q: Tensor) -> bool:
+    """Whether a call's forward returns the output's rounding residual (bf16 / fp16 on the CPU;
+    the GPU kernels take delta from the rounded output, as FlashAttention does)."""
+    return q.dtype in (torch.bfloat16, torch.float16) and q.device.type == "cpu"
+
+
+def _no_residual(q: Tensor) -> Tensor:
+    return q.new_empty((0,))
+
+
 def _fake_fwd(q, k, v, o):
     if o.cu_seqlens_q is not None:  # packed: (total_q, H, Dv) and (H, total_q)
         T, H, _ = q.shape
-        return (q.new_empty((T, H, v.shape[-1])),
-                q.new_empty((H, T), dtype=ref.acc_dtype(q.dtype)))
+        out = q.new_empty((T, H, v.shape[-1]))
+        return out, q.new_empty((H, T), dtype=ref.acc_dtype(q.dtype)), (
+            torch.empty_like(out) if _with_residual(q) else _no_residual(q))
     B, H, Lq, _ = q.shape
-    return _out_like(q, v), q.new_empty((B, H, Lq), dtype=ref.acc_dtype(q.dtype))
+    out = _out_like(q, v)
+    return (out, q.new_empty((B, H, Lq), dtype=ref.acc_dtype(q.dtype)),
+            torch.empty_like(out) if _with_residual(q) else _no_residual(q))
 
 
 def _option_grads_like(o: AttentionOptions, needs) -> tuple:
@@ -197,7 +214,7 @@ def _fake_bwd(grads, saved, o, needs):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             *_option_grads_like(o, needs))
 ATTENTION = OpDef("attention", inputs=("q", "k", "v"), options=AttentionOptions,
-                  outputs=("out", "lse"), visible=2, non_differentiable=(1,),
+                  outputs=("out", "lse", "out_residual"), visible=2, non_differentiable=(1,),
                   save=lambda inputs, o, outputs: (*inputs, *outputs),
                   fake_fwd=_fake_fwd, fake_bwd=_fake_bwd, call=_call)
 
@@ -213,10 +230,11 @@ class _Cuda(Impl):
     features = frozenset({"gqa"})
     head_dim_set = frozenset({64, 128})
 
-    fwd = compiled("cuda_attention_fwd")
+    def fwd(self, q, k, v, o):
+        return (*_ext.C.cuda_attention_fwd(q, k, v, o), _no_residual(q))
 
     def bwd(self, grads, saved, o, needs):
-        return (*_ext.C.cuda_attention_bwd(rowwise(grads[0]), *saved, o), None, None, None)
+        return (*_ext.C.cuda_attention_bwd(rowwise(grads[0]), *saved[:5], o), None, None, None)
 
 
 @ATTENTION.implementation
@@ -246,13 +264,15 @@ class _Triton(Impl):
 
     def fwd(self, q, k, v, o):
         from . import attention_triton
-        return attention_triton.attention_fwd(q, k, v, o)
+        out, lse = attention_triton.attention_fwd(q, k, v, o)
+        # (a CPU tensor only under TRITON_INTERPRET=1: the residual _fake_fwd expects, unused)
+        return out, lse, torch.zeros_like(out) if _with_residual(q) else _no_residual(q)
 
     def bwd(self, grads, saved, o, needs):
         # (dq, dk, dv, d attn_mask, d sinks, d rel_bias); needs: (q, k, v, attn_mask, sinks,
         # rel_bias)
         from . import attention_triton
-        return attention_triton.attention_bwd(grads[0], *saved, o, needs)
+        return attention_triton.attention_bwd(grads[0], *saved[:5], o, needs)
 
 
 @ATTENTION.implementation
@@ -282,10 +302,12 @@ class _Reference(Impl):
     features = frozenset({"gqa", "v_head_dim_differs", "last_dim_strided", "attn_mask_grad"})
 
     def fwd(self, q, k, v, o):
-        return ref.attention_fwd(q, k, v, o)
+        if _with_residual(q):
+            return ref.attention_fwd(q, k, v, o, with_residual=True)
+        return (*ref.attention_fwd(q, k, v, o), _no_residual(q))
 
     def bwd(self, grads, saved, o, needs):
-        return ref.attention_bwd(grads[0], *saved, o)
+        return ref.attention_bwd(grads[0], *saved[:5], o, out_residual=saved[5])
 
 
 # ---- public API ---------------------------------------------------------------------------

@@ -169,25 +169,40 @@ def _dropout_scale(o, shape, device, dtype):
     return keep.to(dtype) / (1.0 - o.dropout_p)
 
 
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, o):
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, o, with_residual: bool = False):
     """o: ops/attention.py's AttentionOptions. Returns (out (B, H, Lq, Dv) in q's dtype,
-    lse (B, H, Lq) fp32 (fp64 for fp64 inputs)); variable lengths: reference/varlen.py."""
+    lse (B, H, Lq) fp32 (fp64 for fp64 inputs)); variable lengths: reference/varlen.py.
+    with_residual: a third output, what rounding the output to q's dtype lost (the fp32 output
+    minus out, in q's dtype; zeros for packed sequences), for attention_bwd's delta."""
+    if with_residual:
+        if o.cu_seqlens_q is None and o.seqlens_k is None:
+            out, lse, exact = _fwd(q, k, v, o)
+            return out, lse, (exact - out.to(exact.dtype)).to(out.dtype)
+        out, lse = attention_fwd(q, k, v, o)
+        return out, lse, torch.zeros_like(out)
     if o.cu_seqlens_q is not None:
         return varlen.varlen_fwd(attention_fwd, q, k, v, o)
     if o.seqlens_k is not None:
         return varlen.kvcache_fwd(attention_fwd, q, k, v, o)
+    return _fwd(q, k, v, o)[:2]
+
+
+def _fwd(q: Tensor, k: Tensor, v: Tensor, o):
+    """(out in q's dtype, lse, out in the accumulation dtype) of a dense call."""
     H = q.shape[1]
     p, lse, _ = _probs(q, k, o)
     if o.dropout_p > 0:
         p = p * _dropout_scale(o, p.shape, q.device, p.dtype)
-    out = torch.matmul(p, _expand_kv(v, H).to(p.dtype))
-    return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
+    exact = torch.matmul(p, _expand_kv(v, H).to(p.dtype))
+    return exact.to(q.dtype), lse.to(acc_dtype(q.dtype)), exact
 
 
-def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, o):
+def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, o,
+                  out_residual: Optional[Tensor] = None):
     """Returns (dq, dk, dv, d attn_mask, d sinks, d rel_bias) in the inputs' dtypes, None for
     the options that are absent or have no gradient. Recomputes P (the saved lse is not needed
-    by the reference, which recomputes it too; it is part of the interface of the kernels)."""
+    by the reference, which recomputes it too; it is part of the interface of the kernels).
+    out_residual (attention_fwd's): delta = dO . (out + residual), from the unrounded output."""
     if o.cu_seqlens_q is not None:
         return varlen.varlen_bwd(attention_bwd, dout, q, k, v, out, lse, o)
     if o.seqlens_k is not None:
@@ -202,7 +217,8 @@ def attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         drop = _dropout_scale(o, p.shape, q.device, acc)
         dp = dp * drop
         p_drop = p * drop
-    delta = (do * out.to(acc)).sum(-1, keepdim=True)
+    exact = out.to(acc) if out_residual is None or out_residual.numel() == 0 else out.to(acc) + out_residual.to(acc)
+    delta = (do * exact).sum(-1, keepdim=True)
     ds = p * (dp - delta)
     d_mask = d_sinks = d_table = None
     if o.attn_mask is not None and o.attn_mask.dtype != torch.bool:

@@ -134,8 +134,10 @@ inline Tensor padded_rel_bias(const AttentionOptions& o, cpu::AttnArgs& a, const
   return padded;
 }
 
-// Returns {out, lse}: (B, H, Lq, Dv) and (B, H, Lq); packed sequences (total_q, H, Dv) and
-// (H, total_q).
+// Returns {out, lse, out_residual}: (B, H, Lq, Dv), (B, H, Lq) and, for bf16 / fp16, the
+// output's rounding residual in out's shape and layout (the backward's delta reads out +
+// residual: cpu/attention_common.h, store_out_row), else an empty tensor; packed sequences
+// (total_q, H, Dv) and (H, total_q).
 inline std::vector<Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
                                          const AttentionOptions& o) {
   const Tensor q = heads_view(q_in, o), k = heads_view(k_in, o), v = heads_view(v_in, o);
@@ -144,21 +146,25 @@ inline std::vector<Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
   // (B, H, Lq, Dv) stored as (B, Lq, H, Dv): the head merge that follows is a free reshape.
   Tensor out = at::empty({a.B, a.Lq, a.H, a.Dv}, q.options()).transpose(1, 2);
   Tensor lse = at::empty({a.B, a.H, a.Lq}, q.options().dtype(stats_dtype(q)));
+  const bool reduced = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
+  Tensor residual = reduced ? at::empty_like(out) : at::empty({0}, q.options());
   a.out = view4(out);
+  if (reduced) a.out_residual = view4(residual);
   a.lse = lse.data_ptr();
   a.lse_s[0] = a.H * a.Lq;
   a.lse_s[1] = a.Lq;
   if (out.numel() > 0 || lse.numel() > 0) {
     if (a.Lk == 0) {
       out.zero_();
+      if (reduced) residual.zero_();
       lse.fill_(std::numeric_limits<double>::infinity());
     } else {
       py::gil_scoped_release no_gil;
       cpu::kernels().attention_fwd(a);
     }
   }
-  if (a.cu_q) return {out.transpose(1, 2)[0], lse[0]};
-  return {out, lse};
+  if (a.cu_q) return {out.transpose(1, 2)[0], lse[0], reduced ? residual.transpose(1, 2)[0] : residual};
+  return {out, lse, residual};
 }
 
 // Returns {dq, dk, dv, d attn_mask, d sinks, d rel_bias}; the last three only when asked
@@ -166,8 +172,8 @@ inline std::vector<Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in,
 // over the dims it broadcasts), the others in the accumulation dtype.
 inline std::vector<Tensor> attention_bwd(const Tensor& dout_in, const Tensor& q_in, const Tensor& k_in,
                                          const Tensor& v_in, const Tensor& out_in, const Tensor& lse_in,
-                                         const AttentionOptions& o, bool need_dmask, bool need_dsinks,
-                                         bool need_drel) {
+                                         const Tensor& out_residual_in, const AttentionOptions& o,
+                                         bool need_dmask, bool need_dsinks, bool need_drel) {
   TORCH_CHECK(!present(o.seqlens_k), "fastformer._C: KV-cache calls are forward only");
   const Tensor q = heads_view(q_in, o), k = heads_view(k_in, o), v = heads_view(v_in, o);
   const Tensor dout = heads_view(dout_in, o), out = heads_view(out_in, o);
@@ -179,6 +185,13 @@ inline std::vector<Tensor> attention_bwd(const Tensor& dout_in, const Tensor& q_
   Tensor dq_in = at::empty_like(q_in), dk_in = at::empty_like(k_in), dv_in = at::empty_like(v_in);
   Tensor dq = heads_view(dq_in, o), dk = heads_view(dk_in, o), dv = heads_view(dv_in, o);
   a.out = view4(out);
+  if (out_residual_in.numel() > 0) {  // bf16 / fp16 forwards of this backend (attention_fwd)
+    const Tensor residual = heads_view(out_residual_in, o);
+    TORCH_CHECK(residual.sizes() == out.sizes() && residual.scalar_type() == out.scalar_type() &&
+                    (residual.size(3) <= 1 || residual.stride(3) == 1),
+                "fastformer._C: out_residual must be out's shape and dtype, last dim contiguous");
+    a.out_residual = view4(residual);
+  }
   a.lse = const_cast<void*>(lse.data_ptr());
   a.lse_s[0] = a.H * a.Lq;
   a.lse_s[1] = a.Lq;
