@@ -23,10 +23,10 @@ SIZES = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_ffn_dim=48,
              max_position_embeddings=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0)
 
 
-def _fsmt(heads=4):
+def _fsmt(heads=4, activation="relu"):
     config = transformers.FSMTConfig(langs=["en", "de"], src_vocab_size=97, tgt_vocab_size=97,
                                      encoder_attention_heads=heads, decoder_attention_heads=heads,
-                                     **dict(SIZES, d_model=16 * heads))
+                                     activation_function=activation, **dict(SIZES, d_model=16 * heads))
     torch.manual_seed(0)
     return sharpened(transformers.FSMTForConditionalGeneration(config))
 
@@ -110,6 +110,14 @@ def test_fsmt_masks_reach_the_kernels(monkeypatch):
     if n == "mvp-prompt" else n for n in MODELS])
 def test_written_out_seq2seq_bf16_error_ratio(name):
     build, inputs, _ = MODELS[name]
+    if name == "fsmt":
+        # GELU for FSMT's ReLU here: ReLU's derivative is a step, and a pre-activation within
+        # bf16 rounding of 0 lands on either side, moving a whole token's term of fc1's weight
+        # gradient. Which ones flip differs between any two bf16 runs (torch's eager included),
+        # so the rule's max error became a discrete draw: built with seeds 0-5, ReLU failed
+        # the rule on one (an fc1 weight gradient 6.7 off against torch's 2.2), GELU on none.
+        # The attention under test is the same; ReLU is in the fp32 tests.
+        build = lambda heads: _fsmt(heads, activation="gelu")  # noqa: E731
     assert_bf16_error_ratio(build(4), inputs, run=_logits_with_grads, sdpa_in=hf_written_out)
 
 

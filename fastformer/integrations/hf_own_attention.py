@@ -76,11 +76,13 @@ converted ``torch_multi_head_self_attention`` (the method that receives the gate
 same projections into ``ff.attention(key_padding_mask=the padding, attn_mask=the gated bias as
 (B, H, L, L))``: the bias is the only (L, L) tensor left, and its gradient (to the gate and the
 bucket table) comes from the kernels' backward. Probabilities wanted, mixed dtypes and bf16 / fp16
-with autograd recording run the original: there the gradient of the key projection's bias (0 in
-exact arithmetic) comes out of a flash-style backward at 3.1x bf16 eager's error on a 2-layer
-model (its row sums of dS are the rounding of the stored output; measured at the op level, torch's
-own flash SDPA backward gives the same), and torch's SDPA, which has no flash backward for a bias
-that needs a gradient, runs the math path there with eager's error.
+with autograd recording on a GPU run the original: there the gradient of the key projection's
+bias (0 in exact arithmetic) comes out of a flash-style backward whose delta is the stored,
+rounded output's (3.1x bf16 eager's error on a 2-layer model, as torch's own flash SDPA backward
+at the op level), and torch's SDPA, which has no flash backward for a bias that needs a
+gradient, runs the math path there with eager's error. The CPU kernels' delta reads the fp32
+output (ARCHITECTURE.md, Numerical policy): 0.41-0.51x eager's error on that bias, and bf16
+training runs the kernels.
 """
 from __future__ import annotations
 
@@ -260,7 +262,8 @@ class WavLMAttentionMixin:
 
     def torch_multi_head_self_attention(self, hidden_states, attention_mask, gated_position_bias):
         if hidden_states.dtype != self.q_proj.weight.dtype or _weights_wanted({}) \
-                or (torch.is_grad_enabled() and hidden_states.dtype in (torch.bfloat16, torch.float16)):
+                or (torch.is_grad_enabled() and hidden_states.dtype in (torch.bfloat16, torch.float16)
+                    and hidden_states.device.type != "cpu"):
             return super().torch_multi_head_self_attention(hidden_states, attention_mask, gated_position_bias)
         batch, length, width = hidden_states.shape
         q, k, v = (proj(hidden_states).view(batch, length, self.num_heads, -1).transpose(1, 2)
