@@ -285,6 +285,81 @@ def test_moe_ffn_zero_tokens(weights_on):
     assert x.grad.shape == (0, 16) and weights.grad.shape == (0, 2) and not w_gu.grad.any()
 
 
+@pytest.fixture
+def packed_experts(monkeypatch):
+    """The experts' GEMMs on the packed GEMM, as on a CPU whose torch bf16 GEMM is generic code
+    (ops/moe.py's _ExpertGemms; forced so that the route is tested on every CPU), and a count of
+    its forward and backward calls."""
+    from fastformer.ops import cpu_gemm
+    if ff._ext.C is None or ff._ext.cpu_level() not in ("avx2", "avx512"):
+        pytest.skip("the packed GEMM needs fastformer._C at the avx2 or avx512 level")
+    monkeypatch.setattr(cpu_gemm, "fast_lowp_gemm", lambda dtype: False)
+    calls = {"fwd": 0, "bwd": 0}
+    for name, key in (("ffn_linear_fwd", "fwd"), ("ffn_linear_bwd", "bwd")):
+        real = getattr(ff._ext.C, name)
+        monkeypatch.setattr(ff._ext.C, name, lambda *a, _real=real, _key=key: calls.__setitem__(_key, calls[_key] + 1)
+                            or _real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("form", ["halves-bias", "interleaved-clamped", "weights-on-input", "transposed", "no-gate"])
+def test_moe_ffn_bf16_experts_on_the_packed_gemm(packed_experts, form):
+    """bf16 experts on the packed GEMM (forward, the input and weight gradients): output and every
+    gradient against the fp64 oracle by the error-ratio rule, in the experts' forms."""
+    N, D, F_, E, k = 67, 72, 40, 5, 2
+    bias = form in ("halves-bias", "interleaved-clamped")
+    x, ids, weights, w_gu, w_d, b_gu, b_d = _case(N, D, F_, E, k, bias, BF16, seed=9, gated=form != "no-gate")
+    act = {"interleaved-clamped": "clamped_swiglu", "no-gate": "relu"}.get(form, "silu")
+    kw = dict(activation=act, interleaved=form == "interleaved-clamped", gated=form != "no-gate",
+              weights_on="input" if form == "weights-on-input" else "output")
+    oracle_kw = dict(interleaved=kw["interleaved"], gated=kw["gated"], weights_on=kw["weights_on"])
+    g = torch.randn(N, D, generator=torch.Generator().manual_seed(5))
+    if form == "transposed":  # stored (E, D, 2F) / (E, F, D), passed as transposed views
+        def ours(x, w, gu, d, bgu, bd):
+            return ff.moe_ffn(x, ids, w, gu.transpose(1, 2).contiguous().transpose(1, 2),
+                              d.transpose(1, 2).contiguous().transpose(1, 2), bgu, bd, **kw)
+    else:
+        def ours(x, w, gu, d, bgu, bd):
+            return ff.moe_ffn(x, ids, w, gu, d, bgu, bd, **kw)
+
+    def oracle(x, w, gu, d, bgu, bd):
+        return _oracle(x, ids, w, gu, d, bgu, bd, act, **oracle_kw)
+
+    _check_against_oracle(ours, oracle, (x, weights, w_gu, w_d, b_gu, b_d), g, BF16)
+    used = len(set(ids.reshape(-1).tolist()))
+    assert packed_experts["fwd"] == 2 * used and packed_experts["bwd"] >= 4 * used, packed_experts
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=str)
+def test_expert_gemms_packed_products_round_once(packed_experts, dtype):
+    """Each of _ExpertGemms' packed products (forward with a bias into a buffer's rows, input and
+    weight gradients, a transposed weight) against the fp64 product of the same low-precision
+    operands: within one rounding to the dtype plus fp32 accumulation (the model-level rule above
+    does not see a few percent on a weight gradient)."""
+    from fastformer.ops import moe
+    g = torch.Generator().manual_seed(2)
+    n, d_in, d_out = 37, 72, 40
+    a, dy = torch.randn(n, d_in, generator=g).to(dtype), torch.randn(n, d_out, generator=g).to(dtype)
+    w, b = torch.randn(d_out, d_in, generator=g).to(dtype), torch.randn(d_out, generator=g).to(dtype)
+    gemms = moe._ExpertGemms(a, w, b)
+    assert gemms.packed
+
+    def close(name, got, want):
+        bound = torch.finfo(dtype).eps * want.abs() + 1e-5 * want.abs().max()
+        assert ((got.double() - want).abs() <= bound).all(), name
+
+    buf = torch.empty(n + 4, d_out, dtype=dtype)
+    gemms.mm(a, w, b, buf[2:n + 2])
+    close("mm", buf[2:n + 2], a.double() @ w.double().t() + b.double())
+    w_t = w.t().contiguous().t()  # a transposed expert stack's slice
+    close("mm transposed", gemms.mm(a, w_t, None, None), a.double() @ w.double().t())
+    close("input grad", gemms.input_grad(dy, w, a), dy.double() @ w.double())
+    dw = torch.empty(d_in, d_out, dtype=dtype).t()  # (out, in) in a transposed buffer
+    gemms.weight_grad_into(dw, dy, a)
+    close("weight grad", dw, dy.double().t() @ a.double())
+    assert packed_experts == {"fwd": 2, "bwd": 2}
+
+
 def test_moe_ffn_reads_transposed_weights():
     """Weights stored (E, D, 2F) / (E, F, D) (transformers' is_transposed) passed as views."""
     x, ids, weights, w_gu, w_d, _, _ = _case(11, 48, 20, 3, 2, False, F32, seed=4)

@@ -23,6 +23,10 @@ autograd's own route for ``w[e]`` (what an eager loop over experts records) make
 full-size gradient per expert touched. Memory saved for the backward: gu (S, 2F) and ys (S, D)
 for the routing weights' gradient, S = N * k; never h.
 
+The experts' GEMMs (_ExpertGemms) are torch's, or, for bf16 / fp16 on CPUs where torch's GEMMs
+in the dtype are generic code (AVX2-only: ops/linear.py's packed_gemm_wins()), the packed GEMM of
+ops/linear.py, forward and backward.
+
 Calls with no autograd and few rows per expert (decode steps) take ops/linear.py's few-row kernel
 for both projections (bf16), or one torch grouped GEMM per projection over all experts (fp32, where
 that kernel only matches MKL and the loop's per-expert calls would decide): the step's time is
@@ -40,8 +44,8 @@ from torch import Tensor
 
 from .. import _checks, _ext
 from ..reference import ffn as ref_ffn
-from ._opdef import owned, rowwise
-from .linear import linear, weight_grad, weight_grad_kernel_takes
+from ._opdef import owned, plain_tensor as _plain, rowwise
+from .linear import LOW_PRECISION, linear, packed_gemm_wins, weight_grad, weight_grad_kernel_takes
 
 _ACT_CODE = {name: code for code, name in enumerate(ref_ffn.ACTIVATIONS)}
 CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss's gate (moe_ffn only)
@@ -141,11 +145,37 @@ class _Gate:
         return [(slice(None), torch.stack((d * dg, d * du), -1).reshape(gu.shape).to(gu.dtype))], h
 
 
-def _addmm(a: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor]) -> Tensor:
-    """a w^T (+ b) on torch's GEMM, written into `out` (rows of a buffer) when given."""
-    if b is not None:
-        return torch.addmm(b, a, w.t(), out=out)
-    return torch.mm(a, w.t(), out=out)
+class _ExpertGemms:
+    """The experts' GEMMs of one call: torch's (oneDNN / MKL), or, for bf16 / fp16 where torch's
+    GEMMs in the dtype are generic code (ops/linear.py's packed_gemm_wins(): AVX2-only CPUs; on a
+    2-core Zen 3 torch's bf16 GEMM ran 19 GFLOP/s forward and ~2 backward, the packed GEMM
+    135-151), csrc/cpu/ffn.cpp's packed GEMM, which converts to fp32 as it packs (any strides of
+    the weights: transposed expert stacks too)."""
+
+    def __init__(self, x: Tensor, *weights: Optional[Tensor]):
+        self.packed = (x.device.type == "cpu" and x.dtype in LOW_PRECISION and _plain(x)
+                       and all(w is None or (_plain(w) and w.dtype == x.dtype) for w in weights)
+                       and packed_gemm_wins(x.dtype))
+
+    def mm(self, a: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor]) -> Tensor:
+        """a w^T (+ b), written into `out` (contiguous rows of a buffer) when given."""
+        if self.packed:
+            return _ext.C.ffn_linear_fwd(a, w, b, out)
+        if b is not None:
+            return torch.addmm(b, a, w.t(), out=out)
+        return torch.mm(a, w.t(), out=out)
+
+    def input_grad(self, d: Tensor, w: Tensor, x: Tensor) -> Tensor:
+        """d w: the input gradient of a w^T for a's (n, in) rows x (only their shape is read)."""
+        if self.packed:
+            return _ext.C.ffn_linear_bwd(d.contiguous(), x, w, True, False, False)[0]
+        return d @ w
+
+    def weight_grad_into(self, out: Tensor, dy: Tensor, x: Tensor) -> None:
+        if self.packed:  # (out gives the kernel the weight's shape)
+            out.copy_(_ext.C.ffn_linear_bwd(dy.contiguous(), x, out, False, True, False)[1])
+        else:
+            _weight_grad_into(out, dy, x)
 
 
 class _Routing:
@@ -200,6 +230,7 @@ def _experts_fwd(x, r: _Routing, w_gate_up, b_gate_up, w_down, b_down, gate: _Ga
         return _grouped_fwd(xs, r, w_gate_up, b_gate_up, w_down, b_down, gate), None
     ys = x.new_empty((S, x.shape[1]))
     gu_all = x.new_empty((S, w_gate_up.shape[1])) if keep_gu else None
+    gemms = _ExpertGemms(x, w_gate_up, w_down, b_gate_up, b_down)
     for e, lo, hi in r.spans:
         bg = None if b_gate_up is None else b_gate_up[e]
         bd = None if b_down is None else b_down[e]
@@ -207,8 +238,8 @@ def _experts_fwd(x, r: _Routing, w_gate_up, b_gate_up, w_down, b_down, gate: _Ga
             # decode: the few-row kernel reads the expert's weights (ops/linear.py)
             ys[lo:hi] = linear(gate.fwd(linear(xs[lo:hi], w_gate_up[e], bg)), w_down[e], bd)
             continue
-        gu = _addmm(xs[lo:hi], w_gate_up[e], bg, gu_all[lo:hi] if keep_gu else None)
-        _addmm(gate.fwd(gu), w_down[e], bd, ys[lo:hi])
+        gu = gemms.mm(xs[lo:hi], w_gate_up[e], bg, gu_all[lo:hi] if keep_gu else None)
+        gemms.mm(gate.fwd(gu), w_down[e], bd, ys[lo:hi])
     return ys, gu_all
 
 
@@ -275,22 +306,30 @@ def _backward(d_out, x, r: _Routing, weights, w_gate_up, w_down, gu, ys, gate: _
     dw_d = _expert_grad_buffer(w_down, r) if need_wd else None
     db_gu = x.new_zeros(w_gate_up.shape[:2], dtype=w_gate_up.dtype) if need_bgu else None
     db_d = x.new_zeros((w_down.shape[0], w_down.shape[1]), dtype=w_down.dtype) if need_bd else None
+    gemms = _ExpertGemms(x, w_gate_up, w_down)
+    F_ = w_down.shape[2]
     for e, lo, hi in r.spans:
         dy, x_e = dys[lo:hi], xs_in[lo:hi]
-        dh = dy @ w_down[e]                                         # (n, F)
+        dh = gemms.input_grad(dy, w_down[e], gu[lo:hi, :F_])       # (n, F)
         parts, h = gate.bwd(dh, gu[lo:hi])
         del dh
         if need_wd:
-            _weight_grad_into(dw_d[e], dy, h)
+            gemms.weight_grad_into(dw_d[e], dy, h)
         if need_bd:
             db_d[e] = dy.sum(0)
         del h
         for i, (rows, d) in enumerate(parts):
             if need_wgu:
-                _weight_grad_into(dw_gu[e, rows], d, x_e)
+                gemms.weight_grad_into(dw_gu[e, rows], d, x_e)
             if need_bgu:
                 db_gu[e, rows] = d.sum(0)
-            if dxs is not None and i == 0:
+            if dxs is not None and gemms.packed:
+                dx_e = gemms.input_grad(d, w_gate_up[e, rows], x_e)
+                if i == 0:
+                    dxs[lo:hi] = dx_e
+                else:
+                    dxs[lo:hi] += dx_e
+            elif dxs is not None and i == 0:
                 torch.mm(d, w_gate_up[e, rows], out=dxs[lo:hi])
             elif dxs is not None:
                 dxs[lo:hi].addmm_(d, w_gate_up[e, rows])
