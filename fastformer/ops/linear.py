@@ -175,6 +175,22 @@ def rows_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def packed_mm(a: Tensor, w: Tensor, b: Optional[Tensor] = None, out: Optional[Tensor] = None) -> Tensor:
+    """a w^T (+ b) on the packed GEMM; written into `out` (contiguous rows of a buffer) when given."""
+    return _ext.C.ffn_linear_fwd(a, w, b, out)
+
+
+def packed_input_grad(dy: Tensor, x: Tensor, w: Tensor) -> Tensor:
+    """dy w on the packed GEMM: the input gradient of x w^T (only x's shape is read)."""
+    return _ext.C.ffn_linear_bwd(dy.contiguous(), x, w, True, False, False)[0]
+
+
+def packed_weight_grad(dy: Tensor, x: Tensor, like: Tensor) -> Tensor:
+    """dy^T x on the packed GEMM: the weight gradient of x w^T, a new tensor shaped as `like`
+    (the weight or a buffer of its shape; only its shape is read)."""
+    return _ext.C.ffn_linear_bwd(dy.contiguous(), x, like, False, True, False)[1]
+
+
 class PackedLinear(torch.autograd.Function):
     """x @ w.T + b on csrc/cpu/ffn.cpp's packed GEMM (its first layer alone, kFfnFirst), and its
     gradients on the same GEMM. x (..., in) with any strides; returns (tokens, out)."""
@@ -182,7 +198,7 @@ class PackedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, b):
         ctx.save_for_backward(x, w)
-        return owned(_ext.C.ffn_linear_fwd(x, w, b))
+        return owned(packed_mm(x, w, b))
 
     @staticmethod
     def backward(ctx, dy):
@@ -289,7 +305,7 @@ class _Linear(torch.autograd.Function):
 def _linear_op(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     rows = x.numel() // x.shape[-1] if x.dim() >= 1 and x.shape[-1] > 0 else 0
     if packed_takes(x, weight, bias, rows):
-        return _ext.C.ffn_linear_fwd(x, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+        return packed_mm(x, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
 
 

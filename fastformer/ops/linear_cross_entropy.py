@@ -161,16 +161,15 @@ class _PackedGemms:
 
     @staticmethod
     def logits(xc, weight, bias, out):
-        return _ext.C.ffn_linear_fwd(xc, weight, bias, out)
+        return linear.packed_mm(xc, weight, bias, out)
 
     @staticmethod
     def input_grad(dz, xc, weight, out):
-        out.copy_(_ext.C.ffn_linear_bwd(dz, xc, weight, True, False, False)[0])
+        out.copy_(linear.packed_input_grad(dz, xc, weight))
 
     @staticmethod
     def weight_grad(dz, xc, out):
-        # the weight argument gives the kernel its (s, d) shape only: dx is not asked for
-        return _ext.C.ffn_linear_bwd(dz.contiguous(), xc, out, False, True, False)[1]
+        return linear.packed_weight_grad(dz, xc, out)
 
 
 @LINEAR_CROSS_ENTROPY.implementation

@@ -45,7 +45,8 @@ from torch import Tensor
 from .. import _checks, _ext
 from ..reference import ffn as ref_ffn
 from ._opdef import owned, plain_tensor as _plain, rowwise
-from .linear import LOW_PRECISION, linear, packed_gemm_wins, weight_grad, weight_grad_kernel_takes
+from .linear import (LOW_PRECISION, linear, packed_gemm_wins, packed_input_grad, packed_mm, packed_weight_grad,
+                     weight_grad, weight_grad_kernel_takes)
 
 _ACT_CODE = {name: code for code, name in enumerate(ref_ffn.ACTIVATIONS)}
 CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss's gate (moe_ffn only)
@@ -160,7 +161,7 @@ class _ExpertGemms:
     def mm(self, a: Tensor, w: Tensor, b: Optional[Tensor], out: Optional[Tensor]) -> Tensor:
         """a w^T (+ b), written into `out` (contiguous rows of a buffer) when given."""
         if self.packed:
-            return _ext.C.ffn_linear_fwd(a, w, b, out)
+            return packed_mm(a, w, b, out)
         if b is not None:
             return torch.addmm(b, a, w.t(), out=out)
         return torch.mm(a, w.t(), out=out)
@@ -168,12 +169,12 @@ class _ExpertGemms:
     def input_grad(self, d: Tensor, w: Tensor, x: Tensor) -> Tensor:
         """d w: the input gradient of a w^T for a's (n, in) rows x (only their shape is read)."""
         if self.packed:
-            return _ext.C.ffn_linear_bwd(d.contiguous(), x, w, True, False, False)[0]
+            return packed_input_grad(d, x, w)
         return d @ w
 
     def weight_grad_into(self, out: Tensor, dy: Tensor, x: Tensor) -> None:
-        if self.packed:  # (out gives the kernel the weight's shape)
-            out.copy_(_ext.C.ffn_linear_bwd(dy.contiguous(), x, out, False, True, False)[1])
+        if self.packed:
+            out.copy_(packed_weight_grad(dy, x, out))
         else:
             _weight_grad_into(out, dy, x)
 
