@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 
 #include "common/activations.h"
 #include "common/philox.h"
@@ -58,6 +59,14 @@ struct PlainSource {
   int64_t col_stride(int64_t r) const { return r < split ? top.col_stride : below.col_stride; }
   void load(int64_t r, int64_t c0, int64_t n, A* dst) const {
     load_segment(row(r) + c0 * col_stride(r), col_stride(r), n, dst);
+  }
+  // Row r's values in place when the packers may read them so (fp32, unit column stride), else
+  // null: the packers then transpose straight from the source instead of staging a copy.
+  const A* direct(int64_t r) const {
+    if constexpr (std::is_same_v<T, float>) {
+      if (col_stride(r) == 1) return row(r);
+    }
+    return nullptr;
   }
 };
 
@@ -152,6 +161,80 @@ inline A* segment_buffer() {
   return thread_scratch<A, Scratch::kFfnSegment>(std::max(Blk<A>::kNC, Blk<A>::kKC) + 2 * Blk<A>::kNR);
 }
 
+// Sources with direct(r) (PlainSource) may be read in place; the others compute their rows.
+template <class Src, class = void>
+struct ReadsInPlace : std::false_type {};
+template <class Src>
+struct ReadsInPlace<Src, std::void_t<decltype(std::declval<const Src&>().direct(0))>>
+    : std::true_type {};
+
+// Row pointers of `count` source rows for an in-place panel, or false where one of them cannot
+// be read in place (a strided or converted row: the caller stages it). rows_of(i) < 0 is a zero
+// row (a tile's padding), read from a zeroed buffer of at least `kc` values.
+template <typename A, class Src, class RowOf>
+bool in_place_rows(const Src& src, const RowOf& rows_of, int64_t count, int64_t k0, int64_t kc,
+                   const A** ptrs) {
+  if constexpr (ReadsInPlace<Src>::value && std::is_same_v<A, float>) {
+    const A* zeros = nullptr;
+    for (int64_t i = 0; i < count; ++i) {
+      const int64_t r = rows_of(i);
+      if (r < 0) {
+        if (zeros == nullptr) {
+          A* buf = thread_scratch<A, Scratch::kFfnZeroRow>(Blk<A>::kKC);
+          std::fill(buf, buf + Blk<A>::kKC, A(0));
+          zeros = buf;
+        }
+        ptrs[i] = zeros;
+        continue;
+      }
+      const A* row = src.direct(r);
+      if (row == nullptr) return false;
+      ptrs[i] = row + k0;
+    }
+    return kc <= Blk<A>::kKC;
+  } else {
+    (void)src, (void)rows_of, (void)count, (void)k0, (void)kc, (void)ptrs;
+    return false;
+  }
+}
+
+// dst[(k + c) * ld + g] = ptrs[g][k + c], for g < G (<= 8 rows) and c < 8: an 8 x 8 register
+// transpose of rows read in place (rows past G: any readable ones, not stored).
+template <typename A, int G>
+inline void put_8_columns(const A* const* ptrs, int64_t k, A* dst, int64_t ld) {
+  const A* rows[8];
+  for (int i = 0; i < 8; ++i) rows[i] = ptrs[i < G ? i : 0] + k;
+  if constexpr (G == 8) {
+    transpose_8x8_rows<A>(rows, dst + k * ld, ld);
+  } else {
+    alignas(32) A cols[8 * 8];
+    transpose_8x8_rows<A>(rows, cols, 8);
+    for (int c = 0; c < 8; ++c) std::copy(cols + c * 8, cols + c * 8 + G, dst + (k + c) * ld);
+  }
+}
+
+// Row r's values [c0, c0 + n) as width / P pieces of P values, piece p at out + p * stride; the
+// values past n zero, except a one at index `one` (>= 0: the bias-gradient column). Whole pieces
+// are copied from the source where it reads in place, the rest staged in buf (its load()).
+template <typename A, int64_t P, class Src>
+void put_row_panels(const Src& src, int64_t r, int64_t c0, int64_t n, int64_t width, int64_t one,
+                    A* buf, A* out, int64_t stride) {
+  const A* row = nullptr;
+  if constexpr (ReadsInPlace<Src>::value && std::is_same_v<A, float>) row = n > 0 ? src.direct(r) : nullptr;
+  int64_t p = 0;
+  if (row != nullptr) {
+    for (; (p + 1) * P <= n && (one < 0 || one >= (p + 1) * P); ++p)
+      std::copy(row + c0 + p * P, row + c0 + (p + 1) * P, out + p * stride);
+    if (p * P >= width) return;
+    std::copy(row + c0 + p * P, row + c0 + std::max(n, p * P), buf + p * P);
+  } else if (n > 0) {
+    src.load(r, c0, n, buf);
+  }
+  std::fill(buf + std::max(n, p * P), buf + width, A(0));
+  if (one >= 0) buf[one] = A(1);
+  for (; p * P < width; ++p) std::copy(buf + p * P, buf + (p + 1) * P, out + p * stride);
+}
+
 // op(A)[i][k] = S(i, k).
 template <typename A, class Src>
 void pack_a_rows(const Src& src, A* dst, int64_t i0, int64_t m, int64_t k0, int64_t kc) {
@@ -159,6 +242,20 @@ void pack_a_rows(const Src& src, A* dst, int64_t i0, int64_t m, int64_t k0, int6
   A* const buf = segment_buffer<A>();
   for (int64_t p = 0; p * MR < m; ++p) {
     A* panel = dst + p * kc * MR;
+    const A* ptrs[MR];
+    const auto rows_of = [&](int64_t r) { return p * MR + r < m ? i0 + p * MR + r : -1; };
+    if (in_place_rows<A>(src, rows_of, MR, k0, kc, ptrs)) {
+      // 8 x 8 transposes of rows read in place: 0.3-0.5 ns per element against 0.5-1.4 staged
+      // and stored one value at a time (fp32, one thread, 2-core Zen 3, alternating runs)
+      int64_t k = 0;
+      for (; k + 8 <= kc; k += 8) {
+        for (int64_t g = 0; g + 8 <= MR; g += 8) put_8_columns<A, 8>(ptrs + g, k, panel + g, MR);
+        if constexpr (MR % 8 != 0) put_8_columns<A, MR % 8>(ptrs + MR / 8 * 8, k, panel + MR / 8 * 8, MR);
+      }
+      for (; k < kc; ++k)
+        for (int64_t r = 0; r < MR; ++r) panel[k * MR + r] = ptrs[r][k];
+      continue;
+    }
     for (int64_t r = 0; r < MR; ++r) {
       if (p * MR + r < m) {
         src.load(i0 + p * MR + r, k0, kc, buf);
@@ -176,12 +273,8 @@ void pack_a_cols(const Src& src, A* dst, int64_t i0, int64_t m, int64_t k0, int6
   constexpr int64_t MR = Blk<A>::kMR;
   A* const buf = segment_buffer<A>();
   const int64_t width = round_up_to(m, MR);
-  for (int64_t k = 0; k < kc; ++k) {
-    src.load(k0 + k, i0, m, buf);
-    std::fill(buf + m, buf + width, A(0));
-    for (int64_t p = 0; p * MR < width; ++p)
-      std::copy(buf + p * MR, buf + (p + 1) * MR, dst + p * kc * MR + k * MR);
-  }
+  for (int64_t k = 0; k < kc; ++k)
+    put_row_panels<A, MR>(src, k0 + k, i0, m, width, -1, buf, dst + k * MR, kc * MR);
 }
 
 // op(B)[k][j] = S(k, j) for j < n_src; column n_src (the bias-gradient column) is all ones.
@@ -192,21 +285,19 @@ void pack_b_rows(const Src& src, int64_t n_src, A* dst, int64_t k0, int64_t kc, 
   A* const buf = segment_buffer<A>();
   const int64_t width = round_up_to(n, NR);
   const int64_t n_load = std::clamp<int64_t>(n_src - j0, 0, n);
-  const bool ones = n_src >= j0 && n_src < j0 + n;
-  for (int64_t k = 0; k < kc; ++k) {
-    if (n_load > 0) src.load(k0 + k, j0, n_load, buf);
-    std::fill(buf + n_load, buf + width, A(0));
-    if (ones) buf[n_src - j0] = A(1);
-    for (int64_t q = 0; q * NR < width; ++q)
-      std::copy(buf + q * NR, buf + (q + 1) * NR, dst + q * kc * NR + k * NR);
-  }
+  const int64_t ones = n_src >= j0 && n_src < j0 + n ? n_src - j0 : -1;
+  for (int64_t k = 0; k < kc; ++k)
+    put_row_panels<A, NR>(src, k0 + k, j0, n_load, width, ones, buf, dst + k * NR, kc * NR);
 }
 
 // op(B)[k][j] = S(source_row(j), k): a transposed source (weights as W^T); source_row(j) < 0
-// is a zero column. Each panel's NR source rows are staged (kc contiguous values each) and
-// written with 8 x 8 register transposes. Writing the panel one column at a time (stride NR)
-// cost ~1.5 ns per element, the staged transpose ~1.05 (fp32, a (11008 x 4096) W, one
-// thread); GEMM1 at (4096, 768, 3072), 2 threads, 20 alternating pairs: median 187 -> 181 ms.
+// is a zero column. Written with 8 x 8 register transposes, of the NR source rows read in place
+// where the source allows (fp32 rows of unit stride), else staged (kc contiguous values each,
+// converted or computed). Writing the panel one column at a time (stride NR) cost ~1.5 ns per
+// element, the staged transpose ~1.05 (fp32, a (11008 x 4096) W, one thread); GEMM1 at (4096,
+// 768, 3072), 2 threads, 20 alternating pairs: median 187 -> 181 ms. Read in place, 0.3-0.5 ns
+// per element against 0.6-1.1 staged ((5632 | 32000) x 2048 and (2048 x 5632) fp32 W, one
+// thread, 2-core Zen 3, alternating runs).
 template <typename A, class Src, class RowOf>
 void pack_b_cols(const Src& src, const RowOf& source_row, A* dst, int64_t k0, int64_t kc,
                  int64_t j0, int64_t n) {
@@ -216,6 +307,17 @@ void pack_b_cols(const Src& src, const RowOf& source_row, A* dst, int64_t k0, in
   A* const stage = thread_scratch<A, Scratch::kFfnStage>(NR * (Blk<A>::kKC + 2 * Blk<A>::kNR));
   const int64_t width = round_up_to(n, NR);
   for (int64_t q = 0; q * NR < width; ++q) {
+    A* panel = dst + q * kc * NR;
+    const A* ptrs[NR];
+    const auto rows_of = [&](int64_t c) { return q * NR + c < n ? source_row(j0 + q * NR + c) : -1; };
+    if (in_place_rows<A>(src, rows_of, NR, k0, kc, ptrs)) {
+      int64_t k = 0;
+      for (; k + 8 <= kc; k += 8)
+        for (int64_t c = 0; c < NR; c += 8) put_8_columns<A, 8>(ptrs + c, k, panel + c, NR);
+      for (; k < kc; ++k)
+        for (int64_t c = 0; c < NR; ++c) panel[k * NR + c] = ptrs[c][k];
+      continue;
+    }
     for (int64_t c = 0; c < NR; ++c) {
       A* row = stage + c * ld_stage;
       const int64_t j = q * NR + c;
@@ -223,7 +325,6 @@ void pack_b_cols(const Src& src, const RowOf& source_row, A* dst, int64_t k0, in
       if (r >= 0) src.load(r, k0, kc, row);
       else std::fill(row, row + kc, A(0));
     }
-    A* panel = dst + q * kc * NR;
     int64_t k = 0;
     for (; k + kT <= kc; k += kT)
       for (int64_t c = 0; c < NR; c += kT)
