@@ -168,23 +168,25 @@ template <class Src>
 struct ReadsInPlace<Src, std::void_t<decltype(std::declval<const Src&>().direct(0))>>
     : std::true_type {};
 
+// kKC zeros: the rows of a panel's padding.
+template <typename A>
+const A* zero_row() {
+  A* zeros = thread_scratch<A, Scratch::kFfnZeroRow>(Blk<A>::kKC);
+  std::fill(zeros, zeros + Blk<A>::kKC, A(0));
+  return zeros;
+}
+
 // Row pointers of `count` source rows for an in-place panel, or false where one of them cannot
 // be read in place (a strided or converted row: the caller stages it). rows_of(i) < 0 is a zero
-// row (a tile's padding), read from a zeroed buffer of at least `kc` values.
+// row (a tile's padding).
 template <typename A, class Src, class RowOf>
 bool in_place_rows(const Src& src, const RowOf& rows_of, int64_t count, int64_t k0, int64_t kc,
                    const A** ptrs) {
   if constexpr (ReadsInPlace<Src>::value && std::is_same_v<A, float>) {
-    const A* zeros = nullptr;
     for (int64_t i = 0; i < count; ++i) {
       const int64_t r = rows_of(i);
       if (r < 0) {
-        if (zeros == nullptr) {
-          A* buf = thread_scratch<A, Scratch::kFfnZeroRow>(Blk<A>::kKC);
-          std::fill(buf, buf + Blk<A>::kKC, A(0));
-          zeros = buf;
-        }
-        ptrs[i] = zeros;
+        ptrs[i] = zero_row<A>();
         continue;
       }
       const A* row = src.direct(r);
@@ -213,6 +215,37 @@ inline void put_8_columns(const A* const* ptrs, int64_t k, A* dst, int64_t ld) {
   }
 }
 
+// panel[k * W + r] = ptrs[r][k] for r < W, k < kc: 8 x 8 register transposes, the last kc % 8
+// values one at a time.
+template <typename A, int64_t W>
+void put_panel(const A* const* ptrs, int64_t kc, A* panel) {
+  int64_t k = 0;
+  for (; k + 8 <= kc; k += 8) {
+    for (int64_t g = 0; g + 8 <= W; g += 8) put_8_columns<A, 8>(ptrs + g, k, panel + g, W);
+    if constexpr (W % 8 != 0) put_8_columns<A, W % 8>(ptrs + W / 8 * 8, k, panel + W / 8 * 8, W);
+  }
+  for (; k < kc; ++k)
+    for (int64_t r = 0; r < W; ++r) panel[k * W + r] = ptrs[r][k];
+}
+
+// The W rows of one panel, values [k0, k0 + kc) of source rows rows_of(0 .. W) (< 0: zeros):
+// read in place where the source allows, else staged (load() into W rows of the stage).
+template <typename A, int64_t W, class Src, class RowOf>
+void panel_rows(const Src& src, const RowOf& rows_of, int64_t k0, int64_t kc, const A** ptrs) {
+  if (in_place_rows<A>(src, rows_of, W, k0, kc, ptrs)) return;
+  constexpr int64_t ld = Blk<A>::kKC + 2 * Blk<A>::kNR;  // + the vector tail of load()
+  A* const stage = thread_scratch<A, Scratch::kFfnStage>(W * ld);
+  for (int64_t i = 0; i < W; ++i) {
+    const int64_t r = rows_of(i);
+    if (r < 0) {
+      ptrs[i] = zero_row<A>();
+      continue;
+    }
+    src.load(r, k0, kc, stage + i * ld);
+    ptrs[i] = stage + i * ld;
+  }
+}
+
 // Row r's values [c0, c0 + n) as width / P pieces of P values, piece p at out + p * stride; the
 // values past n zero, except a one at index `one` (>= 0: the bias-gradient column). Whole pieces
 // are copied from the source where it reads in place, the rest staged in buf (its load()).
@@ -235,35 +268,16 @@ void put_row_panels(const Src& src, int64_t r, int64_t c0, int64_t n, int64_t wi
   for (; p * P < width; ++p) std::copy(buf + p * P, buf + (p + 1) * P, out + p * stride);
 }
 
-// op(A)[i][k] = S(i, k).
+// op(A)[i][k] = S(i, k), by 8 x 8 register transposes of the panel's MR rows (read in place:
+// 0.3-0.5 ns per element, where staging each row and storing it one value at a time took 0.5-1.4;
+// fp32, one thread, 2-core Zen 3, alternating runs).
 template <typename A, class Src>
 void pack_a_rows(const Src& src, A* dst, int64_t i0, int64_t m, int64_t k0, int64_t kc) {
   constexpr int64_t MR = Blk<A>::kMR;
-  A* const buf = segment_buffer<A>();
   for (int64_t p = 0; p * MR < m; ++p) {
-    A* panel = dst + p * kc * MR;
     const A* ptrs[MR];
-    const auto rows_of = [&](int64_t r) { return p * MR + r < m ? i0 + p * MR + r : -1; };
-    if (in_place_rows<A>(src, rows_of, MR, k0, kc, ptrs)) {
-      // 8 x 8 transposes of rows read in place: 0.3-0.5 ns per element against 0.5-1.4 staged
-      // and stored one value at a time (fp32, one thread, 2-core Zen 3, alternating runs)
-      int64_t k = 0;
-      for (; k + 8 <= kc; k += 8) {
-        for (int64_t g = 0; g + 8 <= MR; g += 8) put_8_columns<A, 8>(ptrs + g, k, panel + g, MR);
-        if constexpr (MR % 8 != 0) put_8_columns<A, MR % 8>(ptrs + MR / 8 * 8, k, panel + MR / 8 * 8, MR);
-      }
-      for (; k < kc; ++k)
-        for (int64_t r = 0; r < MR; ++r) panel[k * MR + r] = ptrs[r][k];
-      continue;
-    }
-    for (int64_t r = 0; r < MR; ++r) {
-      if (p * MR + r < m) {
-        src.load(i0 + p * MR + r, k0, kc, buf);
-        for (int64_t k = 0; k < kc; ++k) panel[k * MR + r] = buf[k];
-      } else {
-        for (int64_t k = 0; k < kc; ++k) panel[k * MR + r] = A(0);
-      }
-    }
+    panel_rows<A, MR>(src, [&](int64_t r) { return p * MR + r < m ? i0 + p * MR + r : -1; }, k0, kc, ptrs);
+    put_panel<A, MR>(ptrs, kc, dst + p * kc * MR);
   }
 }
 
@@ -301,36 +315,12 @@ void pack_b_rows(const Src& src, int64_t n_src, A* dst, int64_t k0, int64_t kc, 
 template <typename A, class Src, class RowOf>
 void pack_b_cols(const Src& src, const RowOf& source_row, A* dst, int64_t k0, int64_t kc,
                  int64_t j0, int64_t n) {
-  constexpr int64_t NR = Blk<A>::kNR, kT = 8;
-  static_assert(NR % kT == 0, "panels are whole 8 x 8 blocks wide");
-  const int64_t ld_stage = round_up_to(kc, kT) + Blk<A>::kNR;  // + the vector tail of load()
-  A* const stage = thread_scratch<A, Scratch::kFfnStage>(NR * (Blk<A>::kKC + 2 * Blk<A>::kNR));
-  const int64_t width = round_up_to(n, NR);
-  for (int64_t q = 0; q * NR < width; ++q) {
-    A* panel = dst + q * kc * NR;
+  constexpr int64_t NR = Blk<A>::kNR;
+  for (int64_t q = 0; q * NR < n; ++q) {
     const A* ptrs[NR];
-    const auto rows_of = [&](int64_t c) { return q * NR + c < n ? source_row(j0 + q * NR + c) : -1; };
-    if (in_place_rows<A>(src, rows_of, NR, k0, kc, ptrs)) {
-      int64_t k = 0;
-      for (; k + 8 <= kc; k += 8)
-        for (int64_t c = 0; c < NR; c += 8) put_8_columns<A, 8>(ptrs + c, k, panel + c, NR);
-      for (; k < kc; ++k)
-        for (int64_t c = 0; c < NR; ++c) panel[k * NR + c] = ptrs[c][k];
-      continue;
-    }
-    for (int64_t c = 0; c < NR; ++c) {
-      A* row = stage + c * ld_stage;
-      const int64_t j = q * NR + c;
-      const int64_t r = j < n ? source_row(j0 + j) : -1;
-      if (r >= 0) src.load(r, k0, kc, row);
-      else std::fill(row, row + kc, A(0));
-    }
-    int64_t k = 0;
-    for (; k + kT <= kc; k += kT)
-      for (int64_t c = 0; c < NR; c += kT)
-        transpose_8x8<A>(stage + c * ld_stage + k, ld_stage, panel + k * NR + c, NR);
-    if (k < kc)  // the last kc % 8 rows of the panel
-      at::vec::transpose_mxn<A>(stage + k, ld_stage, panel + k * NR, NR, NR, static_cast<int>(kc - k));
+    panel_rows<A, NR>(src, [&](int64_t c) { return q * NR + c < n ? source_row(j0 + q * NR + c) : -1; },
+                      k0, kc, ptrs);
+    put_panel<A, NR>(ptrs, kc, dst + q * kc * NR);
   }
 }
 
