@@ -168,40 +168,22 @@ template <class Src>
 struct ReadsInPlace<Src, std::void_t<decltype(std::declval<const Src&>().direct(0))>>
     : std::true_type {};
 
-// kKC zeros: the rows of a panel's padding.
+// kKC zeros: the rows of a panel's padding (the buffer starts zeroed and is never written).
 template <typename A>
 const A* zero_row() {
-  A* zeros = thread_scratch<A, Scratch::kFfnZeroRow>(Blk<A>::kKC);
-  std::fill(zeros, zeros + Blk<A>::kKC, A(0));
-  return zeros;
+  return thread_scratch<A, Scratch::kFfnZeroRow>(Blk<A>::kKC);
 }
 
-// Row pointers of `count` source rows for an in-place panel, or false where one of them cannot
-// be read in place (a strided or converted row: the caller stages it). rows_of(i) < 0 is a zero
-// row (a tile's padding).
-template <typename A, class Src, class RowOf>
-bool in_place_rows(const Src& src, const RowOf& rows_of, int64_t count, int64_t k0, int64_t kc,
-                   const A** ptrs) {
-  if constexpr (ReadsInPlace<Src>::value && std::is_same_v<A, float>) {
-    for (int64_t i = 0; i < count; ++i) {
-      const int64_t r = rows_of(i);
-      if (r < 0) {
-        ptrs[i] = zero_row<A>();
-        continue;
-      }
-      const A* row = src.direct(r);
-      if (row == nullptr) return false;
-      ptrs[i] = row + k0;
-    }
-    return kc <= Blk<A>::kKC;
-  } else {
-    (void)src, (void)rows_of, (void)count, (void)k0, (void)kc, (void)ptrs;
-    return false;
-  }
+// Row r of the source in place (fp32 rows of unit stride of a source with direct()), else null.
+template <typename A, class Src>
+const A* direct_row(const Src& src, int64_t r) {
+  if constexpr (ReadsInPlace<Src>::value && std::is_same_v<A, float>) return src.direct(r);
+  (void)src, (void)r;
+  return nullptr;
 }
 
 // dst[(k + c) * ld + g] = ptrs[g][k + c], for g < G (<= 8 rows) and c < 8: an 8 x 8 register
-// transpose of rows read in place (rows past G: any readable ones, not stored).
+// transpose (rows past G: any readable ones, not stored).
 template <typename A, int G>
 inline void put_8_columns(const A* const* ptrs, int64_t k, A* dst, int64_t ld) {
   const A* rows[8];
@@ -229,20 +211,21 @@ void put_panel(const A* const* ptrs, int64_t kc, A* panel) {
 }
 
 // The W rows of one panel, values [k0, k0 + kc) of source rows rows_of(0 .. W) (< 0: zeros):
-// read in place where the source allows, else staged (load() into W rows of the stage).
+// read in place where the source allows, else staged (load() into row i of the stage).
 template <typename A, int64_t W, class Src, class RowOf>
 void panel_rows(const Src& src, const RowOf& rows_of, int64_t k0, int64_t kc, const A** ptrs) {
-  if (in_place_rows<A>(src, rows_of, W, k0, kc, ptrs)) return;
   constexpr int64_t ld = Blk<A>::kKC + 2 * Blk<A>::kNR;  // + the vector tail of load()
   A* const stage = thread_scratch<A, Scratch::kFfnStage>(W * ld);
   for (int64_t i = 0; i < W; ++i) {
     const int64_t r = rows_of(i);
     if (r < 0) {
       ptrs[i] = zero_row<A>();
-      continue;
+    } else if (const A* row = direct_row<A>(src, r)) {
+      ptrs[i] = row + k0;
+    } else {
+      src.load(r, k0, kc, stage + i * ld);
+      ptrs[i] = stage + i * ld;
     }
-    src.load(r, k0, kc, stage + i * ld);
-    ptrs[i] = stage + i * ld;
   }
 }
 
@@ -252,8 +235,7 @@ void panel_rows(const Src& src, const RowOf& rows_of, int64_t k0, int64_t kc, co
 template <typename A, int64_t P, class Src>
 void put_row_panels(const Src& src, int64_t r, int64_t c0, int64_t n, int64_t width, int64_t one,
                     A* buf, A* out, int64_t stride) {
-  const A* row = nullptr;
-  if constexpr (ReadsInPlace<Src>::value && std::is_same_v<A, float>) row = n > 0 ? src.direct(r) : nullptr;
+  const A* row = n > 0 ? direct_row<A>(src, r) : nullptr;
   int64_t p = 0;
   if (row != nullptr) {
     for (; (p + 1) * P <= n && (one < 0 || one >= (p + 1) * P); ++p)

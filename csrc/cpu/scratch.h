@@ -110,7 +110,7 @@ enum class Scratch : int {
   kGemmBPack,
   kGemmWorkspace,      // K-partial sums, tile by tile
   kFfnSegment,         // a packer's row segment
-  kFfnStage,           // pack_b_cols' staged rows
+  kFfnStage,           // the transposing packers' staged rows
   kFfnZeroRow,         // the packers' zero row (a tile's padding, read in place)
   kFfnBias1,           // biases in the accumulation type, zero padded
   kFfnBias2,
