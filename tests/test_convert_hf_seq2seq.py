@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from oracle import GRAD_FACTOR, LOWP_ATOL, OUT_FACTOR, assert_lowp_rule, assert_model_matches
-from test_convert_hf import _run
+from test_convert_hf import _run, compile_family
 from test_convert_hf_forms import random_model
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face conversion needs transformers")
@@ -173,6 +173,6 @@ def test_seq2seq_compiles_fullgraph():
     model = _model("bart")
     ours = ff.convert(model, inplace=False).model
     inputs = _inputs("bart")
-    out, grads = _run(torch.compile(ours, fullgraph=True), inputs)
+    out, grads = _run(compile_family(ours, "bart"), inputs)
     ref, ref_grads = _run(copy.deepcopy(model).double(), _exact(inputs))
     assert_model_matches(out, grads, ref, ref_grads, "_orig_mod.")
