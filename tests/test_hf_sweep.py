@@ -14,6 +14,8 @@ with a memory limit and a time limit, so that one that builds a huge default (a 
 cannot take the run down.
 """
 import multiprocessing as mp
+import multiprocessing.forkserver
+import os
 import queue as queue_module
 import resource
 import time
@@ -93,11 +95,20 @@ def _sweep(names: list, workers: int = 2, target=None) -> dict:
     tests have started, could deadlock a child in libgomp. The server preloads torch and
     transformers, and transformers.modeling_utils, which every model's module imports: 2-3 s per
     child otherwise (the CausalLM sweep took 424 s without it, 147 s with it, on a 2-core Zen 3).
-    Not fastformer: the server starts with the working directory on its path, where a source
-    checkout's fastformer (without the built extension) would shadow the installed one; each child
-    imports this module, and fastformer, from the test process's path."""
+    And pytest and fastformer, which each child imports with this module (0.28 s of a child's
+    0.6): the server starts in tests/, since its path begins with its working directory (Python
+    3.11's forkserver does not take the parent's path), where a source checkout's fastformer
+    (without the built extension) would shadow the installed one. child_setup() checks that a
+    child runs the test process's fastformer."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "transformers", "transformers.modeling_utils"])
+    ctx.set_forkserver_preload(["torch", "transformers", "transformers.modeling_utils", "pytest", "fastformer",
+                                "fastformer.integrations.hf_convert"])
+    here = os.getcwd()
+    os.chdir(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        multiprocessing.forkserver.ensure_running()  # a no-op once a sweep has started it
+    finally:
+        os.chdir(here)
     results, running, pending = {}, [], list(names)
     while pending or running:
         while pending and len(running) < workers:
