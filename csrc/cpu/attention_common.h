@@ -443,27 +443,17 @@ inline void put_mr_panel(const A* rows, int64_t ld, int64_t K, A* dst) {
 }
 
 // Writes rows [0, n_rows) of a matrix (row r at row_of(r), columns [0, n_cols)) transposed
-// into panel-major K^T / V^T layout: element (c, r) at (r / NR) * n_cols * NR + c * NR + r % NR.
-// n_rows is a multiple of NR. 8 x 8 register transposes (fp32 AVX2/AVX-512; scalar for other
-// types), a scalar tail for n_cols % 8: one contiguous 8-lane store per column instead of 8
-// scalar stores 64 bytes apart. perf, forward loop at (4, 8, 512, 64): pack_kv 4.3% -> 3.9% of
-// the samples; the rest of it is reading K and V from memory.
+// into panel-major K^T / V^T layout: element (c, r) at (r / NR) * n_cols * NR + c * NR + r % NR,
+// one put_transposed_panel per NR rows. n_rows is a multiple of NR. One contiguous 8-lane store
+// per column instead of 8 scalar stores 64 bytes apart: perf, forward loop at (4, 8, 512, 64):
+// pack_kv 4.3% -> 3.9% of the samples; the rest of it is reading K and V from memory.
 template <typename A, class RowOf>
 inline void put_rows_transposed_panels_of(const RowOf& row_of, int64_t n_rows, int64_t n_cols, A* dst) {
-  constexpr int64_t NR = MicroShape<A>::kNR, kT = 8;
-  static_assert(NR % kT == 0, "panels are whole 8 x 8 blocks wide");
-  for (int64_t r0 = 0; r0 < n_rows; r0 += kT) {
-    const A* src[kT];
-    for (int64_t r = 0; r < kT; ++r) src[r] = row_of(r0 + r);
-    A* panel = dst + (r0 / NR) * n_cols * NR + r0 % NR;
-    int64_t c = 0;
-    for (; c + kT <= n_cols; c += kT) {
-      const A* at_c[kT];
-      for (int64_t r = 0; r < kT; ++r) at_c[r] = src[r] + c;
-      transpose_8x8_rows<A>(at_c, panel + c * NR, NR);
-    }
-    for (; c < n_cols; ++c)
-      for (int64_t r = 0; r < kT; ++r) panel[c * NR + r] = src[r][c];
+  constexpr int64_t NR = MicroShape<A>::kNR;
+  for (int64_t r0 = 0; r0 < n_rows; r0 += NR) {
+    const A* rows[NR];
+    for (int64_t r = 0; r < NR; ++r) rows[r] = row_of(r0 + r);
+    put_transposed_panel<A, NR>(rows, n_cols, dst + (r0 / NR) * n_cols * NR);
   }
 }
 
@@ -504,8 +494,7 @@ void pack_kv_block(const AttnArgs& a, const Shape<A>& sh, Packed<A>& pk, int64_t
     pk.k_norm2[dst_head * pk.blocks + blk] = largest;
   };
   if constexpr (std::is_same_v<T, A>) {
-    A* const zeros = thread_scratch<A, Scratch::kPackZeroRow>(std::max(sh.D_pad, sh.Dv_pad));
-    std::fill(zeros, zeros + std::max(sh.D_pad, sh.Dv_pad), A(0));
+    const A* const zeros = zero_row<A>(std::max(sh.D_pad, sh.Dv_pad));
     const auto key = [&](int64_t j) -> const A* { return j < n_keys ? kv_row<T>(a, a.k, b, h, k0 + j) : zeros; };
     const auto value = [&](int64_t j) -> const A* { return j < n_keys ? kv_row<T>(a, a.v, b, h, k0 + j) : zeros; };
     if (pk.k_norm2) largest_norm2(key);

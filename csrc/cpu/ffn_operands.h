@@ -168,46 +168,12 @@ template <class Src>
 struct ReadsInPlace<Src, std::void_t<decltype(std::declval<const Src&>().direct(0))>>
     : std::true_type {};
 
-// kKC zeros: the rows of a panel's padding (the buffer starts zeroed and is never written).
-template <typename A>
-const A* zero_row() {
-  return thread_scratch<A, Scratch::kFfnZeroRow>(Blk<A>::kKC);
-}
-
 // Row r of the source in place (fp32 rows of unit stride of a source with direct()), else null.
 template <typename A, class Src>
 const A* direct_row(const Src& src, int64_t r) {
   if constexpr (ReadsInPlace<Src>::value && std::is_same_v<A, float>) return src.direct(r);
   (void)src, (void)r;
   return nullptr;
-}
-
-// dst[(k + c) * ld + g] = ptrs[g][k + c], for g < G (<= 8 rows) and c < 8: an 8 x 8 register
-// transpose (rows past G: any readable ones, not stored).
-template <typename A, int G>
-inline void put_8_columns(const A* const* ptrs, int64_t k, A* dst, int64_t ld) {
-  const A* rows[8];
-  for (int i = 0; i < 8; ++i) rows[i] = ptrs[i < G ? i : 0] + k;
-  if constexpr (G == 8) {
-    transpose_8x8_rows<A>(rows, dst + k * ld, ld);
-  } else {
-    alignas(32) A cols[8 * 8];
-    transpose_8x8_rows<A>(rows, cols, 8);
-    for (int c = 0; c < 8; ++c) std::copy(cols + c * 8, cols + c * 8 + G, dst + (k + c) * ld);
-  }
-}
-
-// panel[k * W + r] = ptrs[r][k] for r < W, k < kc: 8 x 8 register transposes, the last kc % 8
-// values one at a time.
-template <typename A, int64_t W>
-void put_panel(const A* const* ptrs, int64_t kc, A* panel) {
-  int64_t k = 0;
-  for (; k + 8 <= kc; k += 8) {
-    for (int64_t g = 0; g + 8 <= W; g += 8) put_8_columns<A, 8>(ptrs + g, k, panel + g, W);
-    if constexpr (W % 8 != 0) put_8_columns<A, W % 8>(ptrs + W / 8 * 8, k, panel + W / 8 * 8, W);
-  }
-  for (; k < kc; ++k)
-    for (int64_t r = 0; r < W; ++r) panel[k * W + r] = ptrs[r][k];
 }
 
 // The W rows of one panel, values [k0, k0 + kc) of source rows rows_of(0 .. W) (< 0: zeros):
@@ -219,7 +185,7 @@ void panel_rows(const Src& src, const RowOf& rows_of, int64_t k0, int64_t kc, co
   for (int64_t i = 0; i < W; ++i) {
     const int64_t r = rows_of(i);
     if (r < 0) {
-      ptrs[i] = zero_row<A>();
+      ptrs[i] = zero_row<A>(Blk<A>::kKC);
     } else if (const A* row = direct_row<A>(src, r)) {
       ptrs[i] = row + k0;
     } else {
@@ -259,7 +225,7 @@ void pack_a_rows(const Src& src, A* dst, int64_t i0, int64_t m, int64_t k0, int6
   for (int64_t p = 0; p * MR < m; ++p) {
     const A* ptrs[MR];
     panel_rows<A, MR>(src, [&](int64_t r) { return p * MR + r < m ? i0 + p * MR + r : -1; }, k0, kc, ptrs);
-    put_panel<A, MR>(ptrs, kc, dst + p * kc * MR);
+    put_transposed_panel<A, MR>(ptrs, kc, dst + p * kc * MR);
   }
 }
 
@@ -302,7 +268,7 @@ void pack_b_cols(const Src& src, const RowOf& source_row, A* dst, int64_t k0, in
     const A* ptrs[NR];
     panel_rows<A, NR>(src, [&](int64_t c) { return q * NR + c < n ? source_row(j0 + q * NR + c) : -1; },
                       k0, kc, ptrs);
-    put_panel<A, NR>(ptrs, kc, dst + q * kc * NR);
+    put_transposed_panel<A, NR>(ptrs, kc, dst + q * kc * NR);
   }
 }
 

@@ -102,7 +102,6 @@ enum class Scratch : int {
   kPackKRows,          // a key block's rows in fp32, staged
   kPackVRows,
   kPackBf16Rows,       // bf16 GEMMs: a key block's bf16 rows, staged
-  kPackZeroRow,        // fp32 / fp64 inputs read in place: a zero row past the block's keys,
   kPackPaddedRow,      // a row zero padded to the panels' width
 
   // packed GEMM (gemm_packed.h) and the FFN (ffn.cpp)
@@ -111,10 +110,11 @@ enum class Scratch : int {
   kGemmWorkspace,      // K-partial sums, tile by tile
   kFfnSegment,         // a packer's row segment
   kFfnStage,           // the transposing packers' staged rows
-  kFfnZeroRow,         // the packers' zero row (a tile's padding, read in place)
   kFfnBias1,           // biases in the accumulation type, zero padded
   kFfnBias2,
   kFfnBiasUp,
+
+  kZeroRow,            // zero_row(): never written
 };
 
 }  // namespace fastformer::cpu
@@ -131,6 +131,13 @@ inline T* thread_scratch(int64_t n) {
   if (static_cast<int64_t>(buf.size()) < n + kSlack) buf.resize(n + kSlack);
   const auto addr = reinterpret_cast<std::uintptr_t>(buf.data());
   return buf.data() + ((kAlign - addr % kAlign) % kAlign) / sizeof(T);
+}
+
+// n zeros, read in place as the rows past a block's or a panel's end: the buffer starts
+// value-initialised, only grows, and nothing writes it.
+template <typename T>
+inline const T* zero_row(int64_t n) {
+  return thread_scratch<T, Scratch::kZeroRow>(n);
 }
 
 }  // namespace fastformer::cpu::CPU_CAPABILITY

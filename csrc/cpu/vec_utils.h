@@ -11,6 +11,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -264,6 +265,35 @@ inline void transpose_8x8(const A* src, int64_t ld_src, A* dst, int64_t ld_dst) 
   }
 #endif
   at::vec::transpose_mxn<A, 8, 8>(src, ld_src, dst, ld_dst);
+}
+
+// dst[(k + c) * ld + g] = ptrs[g][k + c], for g < G (<= 8 rows) and c < 8: an 8 x 8 register
+// transpose (rows past G: any readable ones, not stored).
+template <typename A, int G>
+inline void put_8_columns(const A* const* ptrs, int64_t k, A* dst, int64_t ld) {
+  const A* rows[8];
+  for (int i = 0; i < 8; ++i) rows[i] = ptrs[i < G ? i : 0] + k;
+  if constexpr (G == 8) {
+    transpose_8x8_rows<A>(rows, dst + k * ld, ld);
+  } else {
+    alignas(32) A cols[8 * 8];
+    transpose_8x8_rows<A>(rows, cols, 8);
+    for (int c = 0; c < 8; ++c) std::copy(cols + c * 8, cols + c * 8 + G, dst + (k + c) * ld);
+  }
+}
+
+// panel[k * W + r] = ptrs[r][k] for r < W, k < kc: W rows (any addresses) as one W-wide
+// transposed panel, the layout of the packed GEMM's panels and of attention's K^T / V^T blocks.
+// 8 x 8 register transposes, the last kc % 8 values one at a time.
+template <typename A, int64_t W>
+void put_transposed_panel(const A* const* ptrs, int64_t kc, A* panel) {
+  int64_t k = 0;
+  for (; k + 8 <= kc; k += 8) {
+    for (int64_t g = 0; g + 8 <= W; g += 8) put_8_columns<A, 8>(ptrs + g, k, panel + g, W);
+    if constexpr (W % 8 != 0) put_8_columns<A, W % 8>(ptrs + W / 8 * 8, k, panel + W / 8 * 8, W);
+  }
+  for (; k < kc; ++k)
+    for (int64_t r = 0; r < W; ++r) panel[k * W + r] = ptrs[r][k];
 }
 
 // Dispatch a functor on the element type named by a DType.
