@@ -32,14 +32,20 @@ def torch_fp32_gemm_wins():
         raise ValueError(f"{FP32_GEMM_ENV} must be 'torch', 'packed' or 'auto', got {forced!r}")
     if mkl_on_intel():
         return True, "torch's fp32 GEMM is MKL on an Intel CPU"
-    vendor = _ext.cpu_info().get("vendor", "")
-    return False, f"the packed kernel is faster than torch's fp32 GEMM on this CPU ({vendor or 'unknown vendor'})"
+    return False, f"the packed kernel is faster than torch's fp32 GEMM on this CPU ({_vendor() or 'unknown vendor'})"
+
+
+@functools.lru_cache(maxsize=None)
+def _vendor() -> str:
+    """The CPU's vendor string, read once: this rule runs on every linear call of more rows than
+    the few-row kernel takes (_ext.cpu_info() copies the extension's dict: ~10 us a call)."""
+    return _ext.cpu_info().get("vendor", "")
 
 
 @functools.lru_cache(maxsize=None)
 def mkl_on_intel() -> bool:
     """Whether torch's fp32 GEMMs are MKL's on an Intel CPU (its AVX-512 code paths)."""
-    return _ext.cpu_info().get("vendor", "") == "GenuineIntel" and torch.backends.mkl.is_available()
+    return _vendor() == "GenuineIntel" and torch.backends.mkl.is_available()
 
 
 # ff's activation -> (attr, scalars, algorithm) of torch.ops.mkldnn._linear_pointwise. quick_gelu
