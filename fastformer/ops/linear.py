@@ -124,13 +124,13 @@ def min_rows(dtype: torch.dtype) -> int:
 
 def max_rows(dtype: torch.dtype) -> int:
     """Most rows of x for which linear_rows.cpp takes a call with dtype weights (0: none)."""
+    most = MAX_ROWS.get(_ext.cpu_level(), {}).get(dtype, 0)
+    if most and dtype in LOW_PRECISION and not cpu_gemm.fast_lowp_gemm(dtype):
+        return SLOW_LOWP_MAX_ROWS  # (FASTFORMER_CPU_LOWP_GEMM=kernels on a bf16-dot CPU too: its rule)
     if dtype == torch.bfloat16 and _ext.amx_in_use():
         return MAX_AMX_ROWS
     if dtype == torch.bfloat16 and _ext.bf16_dot_in_use():
         return MAX_DOT_ROWS
-    most = MAX_ROWS.get(_ext.cpu_level(), {}).get(dtype, 0)
-    if most and dtype in LOW_PRECISION and not cpu_gemm.fast_lowp_gemm(dtype):
-        return SLOW_LOWP_MAX_ROWS
     return most
 
 
@@ -151,8 +151,9 @@ def rows_kernel_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> bool
         return False
     return (x.device.type == "cpu" and weight.device.type == "cpu" and weight.dtype == x.dtype
             and weight.dim() == 2 and weight.shape[1] == x.shape[-1]
-            and (rows <= SLOW_LOWP_MAX_ROWS or x.dtype == torch.float32  # the fp32 dot form, any in
-                 or x.shape[-1] % 32 == 0 or weight.stride(1) != 1)  # AMX / dot forms: 32-value steps
+            and (x.dtype == torch.float32 or x.shape[-1] % 32 == 0  # AMX / dot forms: 32-value steps
+                 or weight.stride(1) != 1 or rows == 1  # the fp32 dot form, any in: 1 row, or up to 8
+                 or (rows <= SLOW_LOWP_MAX_ROWS and not cpu_gemm.fast_lowp_gemm(x.dtype)))  # (see above)
             and (bias is None or (_plain(bias) and bias.dtype == x.dtype
                                   and bias.shape == (weight.shape[0],) and bias.is_contiguous()))
             and _ext.C is not None and hasattr(_ext.C, "linear_rows"))
