@@ -269,7 +269,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("add_norm_fwd", &cb::add_norm_fwd);
   m.def("add_norm_bwd", &cb::add_norm_bwd);
   m.def("add_norm_autograd", &cb::add_norm_autograd, "add + norm with a C++ autograd node: [y, res_out]");
-  m.def("attention_fwd", &cb::attention_fwd);
+  m.def("attention_fwd", &cb::attention_fwd, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("o"),
+        py::arg("with_residual") = true);
   m.def("attention_bwd", &cb::attention_bwd);
   m.def("rotary", &cb::rotary, py::arg("x"), py::arg("o"), py::arg("conj") = false);
   m.def("relative_bias_fwd", &cb::relative_bias_fwd, "DeBERTa's c2p + p2c bias, masked: (B, H, Lq, Lk)");

@@ -73,7 +73,8 @@ class Impl:
     """One backend's implementation of one op, with what it supports stated beside its code.
 
     Subclasses set the class attributes and the op family's methods (``fwd``, ``bwd``, and
-    optionally ``autograd``: a fused eager autograd entry). :meth:`reasons` explains a decline.
+    optionally ``autograd``: a fused eager autograd entry, and ``inference``: the forward of eager
+    calls without a gradient). :meth:`reasons` explains a decline.
     """
 
     backend: str = ""                         # one of BACKENDS
@@ -85,6 +86,8 @@ class Impl:
     head_dim_set: Optional[frozenset] = None  # an explicit set of head dims, if restricted
     max_hidden: Optional[int] = None
     autograd: Optional[Callable] = None       # (*inputs, o) -> visible outputs, with autograd
+    inference: Optional[Callable] = None      # (*inputs, o) -> outputs when no backward follows
+                                              #   (what only a backward reads may be left empty)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

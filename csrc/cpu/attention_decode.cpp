@@ -251,8 +251,8 @@ struct DecodeRowGemms {
 //     B = Q^T as pair words (R rows padded to R16 = a multiple of 16). Then 8 x 8 transposes
 //     into the score tile's rows, which the row code reads as the fp32 path's.
 //   acc (+)= P_hi V + P_lo V: P's rows as hi + lo bf16 parts (p_row, split_row_to_bf16: P to
-//     ~16 bits, as the fp32 path's P V nearly; with P rounded to bf16 alone, as the forward's
-//     bf16 path rounds it, a converted bf16 BERT of 13 tokens -- decoded here -- read its key
+//     ~16 bits, as the fp32 path's P V nearly, and as the forward's Bf16Gemms; with P rounded
+//     to bf16 alone, a converted bf16 BERT of 13 tokens -- decoded here -- read its key
 //     bias's gradient (exactly 0) at 3.3x eager bf16's error), V's rows interleaved in pairs
 //     from the cache (put_row_pairs_panels_of), keys past the block's end and keys no query sees
 //     as zero rows (0 times a value no query may read must not reach acc). The second GEMM

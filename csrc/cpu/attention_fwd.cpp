@@ -29,8 +29,8 @@
 // the S tile (144 x 192 fp32 = 108 KB) is the only score storage.
 // bf16 at the AVX-512 level with AMX-BF16 or AVX512-BF16 (bf16_gemm.h): S = Q K^T from the
 // inputs' bf16 rows (exact products, K packed as pair words) and acc += P V with P rounded to
-// bf16 (its fp32 copy gives the row sums), both on the bf16 instructions; the softmax and acc
-// stay fp32.
+// bf16, or as two bf16 parts where a backward follows (see Bf16Gemms), all on the bf16
+// instructions; the softmax and acc stay fp32.
 #include <optional>
 #include <vector>
 
@@ -55,7 +55,7 @@ struct Fp32Gemms {
   A* const q_rows;    // one panel's rows, staged
   A* const q_packed;  // MR-row panels
 
-  Fp32Gemms(const Shape<A>& shape, Bf16Gemm)
+  Fp32Gemms(const Shape<A>& shape, Bf16Gemm, bool)
       : sh(shape),
         q_rows(thread_scratch<A, Scratch::kFwdQStage>(MR * shape.D_pad)),
         q_packed(thread_scratch<A, Scratch::kFwdQPanels>(kQBlockRows<A> * shape.D)) {}
@@ -87,37 +87,54 @@ struct Fp32Gemms {
 };
 
 // The GEMMs of a query block on bf16 instructions (bf16 inputs, bf16_gemm.h): S = Q K^T from the block's
-// bf16 rows (exact products), acc (+)= P V with P rounded to bf16 row by row (p_row; the row sums
-// stay those of the fp32 P, as torch's CPU flash attention and FlashAttention round).
+// bf16 rows (exact products), acc (+)= P V with P rounded to bf16 (torch's CPU flash attention and
+// FlashAttention round so; the row sums are those of the fp32 P), or, in calls that write the
+// output's rounding residual (a backward follows), acc (+)= P_hi V + P_lo V with P's rows split
+// into two bf16 parts (split_row_to_bf16: P to ~16 bits). With P rounded alone, the fp32 output
+// is off the backward's sum_j P_ij V_j by P's rounding, as much as by the output's own, and the
+// backward's delta from out + out_residual came only 2.2x closer than delta from the rounded
+// output (rows of dS summing to 0, tests/test_attention_delta.py, 2-core Zen 4); split, 486-780x
+// (the fp32 path's 490-830x). The second GEMM costs ~30% of a bf16 forward at head dim 128
+// there (1, 16, 1024, 128): 26-32 -> 37-40 ms), so calls without a gradient do not split.
 template <typename T>
 struct Bf16Gemms {
   using A = acc_t<T>;
   const Shape<A>& sh;
   const Bf16Gemm kind;
   c10::BFloat16* const q_bf16;  // the block's bf16 rows, zero rows up to a multiple of 16
-  c10::BFloat16* const p_bf16;  // P rounded to bf16, rows of kBlockK, zero rows up to a multiple of 16
+  c10::BFloat16* const p_hi;    // P (split: p_hi + p_lo), rows of kBlockK, zero rows up to a multiple of 16
+  c10::BFloat16* const p_lo;
+  const bool split;
   static_assert(kBlockQ % 16 == 0, "16-row tiles of P and acc stay within the block's rows");
 
-  Bf16Gemms(const Shape<A>& shape, Bf16Gemm gemm_kind)
+  Bf16Gemms(const Shape<A>& shape, Bf16Gemm gemm_kind, bool split_p)
       : sh(shape),
         kind(gemm_kind),
         q_bf16(thread_scratch<c10::BFloat16, Scratch::kFwdQBf16>((kBlockQ + 16) * shape.D_bf16)),
-        p_bf16(thread_scratch<c10::BFloat16, Scratch::kFwdPBf16>(kBlockQ * kBlockK)) {
+        p_hi(thread_scratch<c10::BFloat16, Scratch::kFwdPHi>(kBlockQ * kBlockK)),
+        p_lo(split_p ? thread_scratch<c10::BFloat16, Scratch::kFwdPLo>(kBlockQ * kBlockK) : nullptr),
+        split(split_p) {
     TORCH_INTERNAL_ASSERT(sh.Dv_bf16 == sh.Dv_pad, "bf16 P V tiles write acc rows Dv_pad wide");
   }
 
   void load_q(const AttnArgs& a, int64_t b, int64_t h, int64_t q0, int64_t n_q) {
     stage_bf16_rows(a.q, b, h, q0, 0, n_q, round_up_to(n_q, 16), sh.D, sh.D_bf16, q_bf16);
-    std::fill(p_bf16 + n_q * kBlockK, p_bf16 + round_up_to(n_q, 16) * kBlockK, c10::BFloat16(0.0f));
+    for (c10::BFloat16* p : {p_hi, p_lo})
+      if (p) std::fill(p + n_q * kBlockK, p + round_up_to(n_q, 16) * kBlockK, c10::BFloat16(0.0f));
   }
   void scores(const Packed<A>& pk, int64_t bh_kv, int64_t kb, int64_t n_q, int64_t cols, A* s_tile, Band band) const {
     tile_gemm_bf16(kind, n_q, cols, sh.D_bf16, q_bf16, sh.D_bf16, pk.kw_block(bh_kv, kb), s_tile, kScoreLd, false, band);
   }
-  void p_row(const A* p, int64_t i, int64_t cols) { round_row_to_bf16(p, cols, p_bf16 + i * kBlockK); }
+  void p_row(const A* p, int64_t i, int64_t cols) {
+    if (split) split_row_to_bf16(p, cols, p_hi + i * kBlockK, p_lo + i * kBlockK);
+    else round_row_to_bf16(p, cols, p_hi + i * kBlockK);
+  }
   // Over the block's score columns (whole pair words; the padding columns' P is 0).
   void pv(const Packed<A>& pk, int64_t bh_kv, int64_t kb, int64_t n_q, int64_t, int64_t cols, const A*, A* acc,
           bool accumulate, Band band) const {
-    tile_gemm_bf16(kind, n_q, sh.Dv_bf16, cols, p_bf16, kBlockK, pk.vpw_block(bh_kv, kb), acc, sh.Dv_pad, accumulate, band);
+    const uint32_t* v_pairs = pk.vpw_block(bh_kv, kb);
+    tile_gemm_bf16(kind, n_q, sh.Dv_bf16, cols, p_hi, kBlockK, v_pairs, acc, sh.Dv_pad, accumulate, band);
+    if (split) tile_gemm_bf16(kind, n_q, sh.Dv_bf16, cols, p_lo, kBlockK, v_pairs, acc, sh.Dv_pad, true, band);
   }
 };
 
@@ -393,7 +410,7 @@ void run_tasks(const FwdCall<T>& c, Bf16Gemm kind) {
   const int64_t n_tasks = pack_in_task ? sh.B * sh.H : sh.B * sh.H * sh.n_qb;
   parallel_tasks(n_tasks, flops, [&](int64_t task) {
     const AmxTiles tiles(kind);
-    Gemms gemms(sh, kind);
+    Gemms gemms(sh, kind, /*split_p=*/c.a.out_residual.ptr != nullptr);
     const int64_t bh = pack_in_task ? task : task / sh.n_qb;
     const int64_t b = bh / sh.H, h = bh % sh.H, hkv = h / sh.G;
     if (!pack_in_task) {

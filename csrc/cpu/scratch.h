@@ -31,7 +31,8 @@ enum class Scratch : int {
   kFwdQStage,          // one MR-row panel's Q rows, fp32
   kFwdQPanels,         // the query block's Q in MR-row panels
   kFwdQBf16,           // bf16 GEMMs: the block's bf16 Q rows
-  kFwdPBf16,           // bf16 GEMMs: P rounded to bf16
+  kFwdPHi,             // bf16 GEMMs: P = p_hi + p_lo, two bf16 parts
+  kFwdPLo,
   kFwdScores,          // the S / P tile
   kFwdAcc,             // the output accumulator
   kFwdBias,            // one score row's bias (masks)

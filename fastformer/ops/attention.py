@@ -289,6 +289,11 @@ class _Cpu(Impl):
 
     fwd = compiled("attention_fwd")
 
+    @staticmethod
+    def inference(q, k, v, o):
+        # No residual: bf16 on bf16 instructions then rounds P once (attention_fwd.cpp, Bf16Gemms).
+        return _ext.C.attention_fwd(q, k, v, o, False)
+
     def bwd(self, grads, saved, o, needs):
         return _ext.C.attention_bwd(rowwise(grads[0]), *saved, o, *needs[3:])
 

@@ -134,19 +134,19 @@ inline Tensor padded_rel_bias(const AttentionOptions& o, cpu::AttnArgs& a, const
   return padded;
 }
 
-// Returns {out, lse, out_residual}: (B, H, Lq, Dv), (B, H, Lq) and, for bf16 / fp16, the
-// output's rounding residual in out's shape and layout (the backward's delta reads out +
-// residual: cpu/attention_common.h, store_out_row), else an empty tensor; packed sequences
-// (total_q, H, Dv) and (H, total_q).
+// Returns {out, lse, out_residual}: (B, H, Lq, Dv), (B, H, Lq) and, for bf16 / fp16 with
+// with_residual (calls a backward follows), the output's rounding residual in out's shape and
+// layout (the backward's delta reads out + residual: cpu/attention_common.h, store_out_row),
+// else an empty tensor; packed sequences (total_q, H, Dv) and (H, total_q).
 inline std::vector<Tensor> attention_fwd(const Tensor& q_in, const Tensor& k_in, const Tensor& v_in,
-                                         const AttentionOptions& o) {
+                                         const AttentionOptions& o, bool with_residual = true) {
   const Tensor q = heads_view(q_in, o), k = heads_view(k_in, o), v = heads_view(v_in, o);
   cpu::AttnArgs a = attn_args(q, k, v, o);
   const Tensor rel = padded_rel_bias(o, a, q);
   // (B, H, Lq, Dv) stored as (B, Lq, H, Dv): the head merge that follows is a free reshape.
   Tensor out = at::empty({a.B, a.Lq, a.H, a.Dv}, q.options()).transpose(1, 2);
   Tensor lse = at::empty({a.B, a.H, a.Lq}, q.options().dtype(stats_dtype(q)));
-  const bool reduced = q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf;
+  const bool reduced = with_residual && (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf);
   Tensor residual = reduced ? at::empty_like(out) : at::empty({0}, q.options());
   a.out = view4(out);
   if (reduced) a.out_residual = view4(residual);
