@@ -238,7 +238,11 @@ def packed_takes(x: Tensor, weight: Tensor, bias: Optional[Tensor], rows: int) -
 # with a transposed A slows down as K grows; at K = 512 it is still at or above the kernel
 # (out x in = 512^2..1024^2: 0.78-0.91x for the kernel, 2048^2: 1.24x), from K = 1024 below it
 # (512^2: 1.10x, 768^2 at K = 2048: 1.43x, the FFN's shapes above: 1.2-2.0x). Median of 15,
-# one process, 2-core Xeon.
+# one process, 2-core Xeon. Without AMX torch's transposed-A bf16 mm keeps pace: 2-core Zen 4
+# (AVX512-BF16), best of 5, dW against the forward's x W^T at the same (tokens, in, out): Llama's
+# (1024, 2048 / 5632, 5632 / 2048 / 512) 405-419 against 432-437 GFLOP/s, SwiGLU (2048, 4096,
+# 11008) both ways 347-375 against 392-409, (4096, 768, 3072) 367-370 against 400-434; a
+# contiguous copy of dy^T first ran 292-407: no dW kernel there.
 MIN_WEIGHT_GRAD_TOKENS = 1024
 
 
