@@ -122,7 +122,28 @@ def test_calls_without_a_gradient_write_no_residual(monkeypatch):
     assert ff.last_dispatch().backend == "cpu" and calls == [(False,)]
     residual = real(q, k, v, AttentionOptions())[2]
     assert residual.shape == plain.shape and real(q, k, v, AttentionOptions(), False)[2].numel() == 0
-    trained = ff.attention(q.requires_grad_(), k, v).detach()
     exact = ref.attention_fwd(q.double(), k.double(), v.double(), AttentionOptions())[0]
+    trained = ff.attention(q.requires_grad_(), k, v).detach()
     err_plain, err_trained = [float((y.double() - exact).abs().max()) for y in (plain, trained)]
     assert err_plain <= 1.25 * err_trained and err_plain <= torch.finfo(torch.bfloat16).eps * float(exact.abs().max())
+
+
+def test_traced_calls_without_a_gradient_take_the_inference_op(monkeypatch):
+    """Under torch.compile a call without a gradient is fastformer::attention_inference (the same
+    residual-free forward); with a gradient it stays the fwd / bwd pair, residual included."""
+    from fastformer.ops.attention import ATTENTION
+    B, H, Hkv, Lq, Lk, D, _ = CASES["dense"]
+    q, k, v = _qkv(B, H, Hkv, Lq, Lk, D, torch.bfloat16)
+    torch.library.opcheck(ATTENTION.inference_op, ATTENTION.op_args((q, k, v), AttentionOptions()))
+    calls = []
+    real = _ext.C.attention_fwd
+    monkeypatch.setattr(_ext.C, "attention_fwd", lambda *args: calls.append(args[4:]) or real(*args))
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: ff.attention(q, k, v), backend="eager", fullgraph=True)
+    with torch.no_grad():
+        plain = compiled(q, k, v)
+    assert calls == [(False,)]
+    assert torch.equal(plain, real(q, k, v, AttentionOptions(), False)[0])
+    calls.clear()
+    compiled(q.requires_grad_(), k, v).sum().backward()
+    assert calls == [] and q.grad is not None  # the training forward is _Cpu.fwd (the residual kept)

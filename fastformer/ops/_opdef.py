@@ -28,6 +28,9 @@ From that the OpDef makes the ``torch.library`` custom-op pair ``fastformer::<op
 ~16 us for ``Function.apply`` on a 2-core VM, a large share of a small kernel, so plain eager
 calls take the Function; tracing, compiling, tensor subclasses and
 ``FASTFORMER_EAGER_VIA_OPS=1`` take the custom ops. Both run the same implementations.
+An implementation may also define ``inference(*inputs, o) -> outputs``, the forward of calls
+no backward follows (what only the backward reads may come back empty); calls without a
+gradient take it on both routes (an op with one also gets ``fastformer::<op>_inference``).
 
 The implementation the forward chose runs the backward on both routes: the Function keeps it
 on its ctx; the custom-op forward returns its index as a CPU int64 token (one more output)
@@ -252,6 +255,7 @@ class OpDef:
         self._diff_positions = tuple(options.fields.index(n) for n in options.differentiable)
         self.impls: list = []
         self._define_custom_ops(inputs)
+        self.inference_op = None  # fastformer::<op>_inference, once an implementation has `inference`
 
     # -- implementations ---------------------------------------------------------------------
     def implementation(self, cls):
@@ -260,6 +264,8 @@ class OpDef:
         impl = cls()
         impl.index = len(self.impls)
         self.impls.append(impl)
+        if impl.inference is not None and self.inference_op is None:
+            self._define_inference_op()
         backends.register(self.name, impl)
         return cls
 
@@ -269,13 +275,15 @@ class OpDef:
     # -- the public entry ------------------------------------------------------------------------
     def __call__(self, inputs: tuple, o):
         """Run the op on validated inputs; returns the visible outputs (a sequence)."""
-        if via_custom_op(inputs, o.tensors()):
-            return self.fwd_op(*inputs, *o.flat())[:self.visible]
-        impl = backends.select(self.call(inputs, o))
         diff = ()
         if o.differentiable:
             diff = tuple(getattr(o, n) for n in o.differentiable)
-        if needs_grad(inputs) or (diff and needs_grad(diff)):
+        grad = needs_grad(inputs) or bool(diff and needs_grad(diff))
+        if via_custom_op(inputs, o.tensors()):
+            op = self.fwd_op if grad or self.inference_op is None else self.inference_op
+            return op(*inputs, *o.flat())[:self.visible]
+        impl = backends.select(self.call(inputs, o))
+        if grad:
             out = impl.autograd(*inputs, o) if impl.autograd is not None else None
             if out is not None:  # None: this call takes the shared Function
                 return out
@@ -294,7 +302,8 @@ class OpDef:
     def _define_custom_ops(self, inputs: tuple) -> None:
         n_in, n_out, opts = self.n_inputs, len(self.outputs), self.options
         args = ", ".join(("Tensor? " if i.endswith("?") else "Tensor ") + i.rstrip("?") for i in inputs)
-        fwd_schema = f"({args}, {opts.schema}) -> ({', '.join(['Tensor'] * (n_out + 1))})"
+        self._arg_schema = f"({args}, {opts.schema})"  # (the inference op's too)
+        fwd_schema = f"{self._arg_schema} -> ({', '.join(['Tensor'] * (n_out + 1))})"
         bwd_schema = (f"(Tensor?[] grads, Tensor?[] saved, {opts.schema}, bool[] needs, "
                       "Tensor token) -> Tensor[]")
 
@@ -354,6 +363,21 @@ class OpDef:
             return (*grads_in[:n_in], *per_option)
 
         self.fwd_op.register_autograd(backward, setup_context=setup_context)
+
+    def _define_inference_op(self) -> None:
+        """fastformer::<op>_inference: the forward of calls without a gradient (no autograd),
+        returning the visible outputs."""
+        n_in, opts, visible = self.n_inputs, self.options, self.visible
+        out_schema = f"{self._arg_schema} -> ({', '.join(['Tensor'] * visible)})"
+
+        def inference_impl(*args):
+            inputs, o = args[:n_in], opts(*args[n_in:])
+            impl = self.select(inputs, o)
+            return tuple((impl.inference or impl.fwd)(*inputs, o))[:visible]
+
+        self.inference_op = torch.library.custom_op(f"fastformer::{self.name}_inference", inference_impl,
+                                                    mutates_args=(), schema=out_schema)
+        self.inference_op.register_fake(lambda *args: tuple(self.fake_fwd(*args[:n_in], opts(*args[n_in:])))[:visible])
 
     def op_args(self, inputs: tuple, o) -> tuple:
         """The forward custom op's arguments for a call (torch.library.opcheck in the tests)."""
