@@ -73,8 +73,8 @@ class Impl:
     """One backend's implementation of one op, with what it supports stated beside its code.
 
     Subclasses set the class attributes and the op family's methods (``fwd``, ``bwd``, and
-    optionally ``autograd``: a fused eager autograd entry, and ``inference``: the forward of eager
-    calls without a gradient). :meth:`reasons` explains a decline.
+    optionally ``autograd``: a fused eager autograd entry, and ``inference``: the forward of calls
+    without a gradient, eager or traced). :meth:`reasons` explains a decline.
     """
 
     backend: str = ""                         # one of BACKENDS

@@ -95,7 +95,8 @@ struct Fp32Gemms {
 // backward's delta from out + out_residual came only 2.2x closer than delta from the rounded
 // output (rows of dS summing to 0, tests/test_attention_delta.py, 2-core Zen 4); split, 486-780x
 // (the fp32 path's 490-830x). The second GEMM costs ~30% of a bf16 forward at head dim 128
-// there (1, 16, 1024, 128): 26-32 -> 37-40 ms), so calls without a gradient do not split.
+// there ((1, 16, 1024, 128): 26-32 -> 37-40 ms) and 7-15% of a forward+backward, so calls
+// without a gradient do not split.
 template <typename T>
 struct Bf16Gemms {
   using A = acc_t<T>;
