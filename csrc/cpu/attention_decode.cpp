@@ -250,13 +250,17 @@ struct DecodeRowGemms {
 //     multiple of 32; a paged cache: inside one page), else copied zero padded into k_stage;
 //     B = Q^T as pair words (R rows padded to R16 = a multiple of 16). Then 8 x 8 transposes
 //     into the score tile's rows, which the row code reads as the fp32 path's.
-//   acc (+)= P_hi V + P_lo V: P's rows as hi + lo bf16 parts (p_row, split_row_to_bf16: P to
-//     ~16 bits, as the fp32 path's P V nearly, and as the forward's Bf16Gemms; with P rounded
-//     to bf16 alone, a converted bf16 BERT of 13 tokens -- decoded here -- read its key
-//     bias's gradient (exactly 0) at 3.3x eager bf16's error), V's rows interleaved in pairs
-//     from the cache (put_row_pairs_panels_of), keys past the block's end and keys no query sees
-//     as zero rows (0 times a value no query may read must not reach acc). The second GEMM
-//     costs tile work only: V's pair words are read from L1 / L2 again.
+//   acc (+)= P V with P rounded to bf16, or, in calls that write the output's rounding residual
+//     (a backward follows), acc (+)= P_hi V + P_lo V: P's rows as hi + lo bf16 parts (p_row,
+//     split_row_to_bf16: P to ~16 bits, as the fp32 path's P V nearly, and as the forward's
+//     Bf16Gemms; with P rounded to bf16 alone, a converted bf16 BERT of 13 tokens -- decoded
+//     here -- read its key bias's gradient (exactly 0) at 3.3x eager bf16's error), V's rows
+//     interleaved in pairs from the cache (put_row_pairs_panels_of), keys past the block's end
+//     and keys no query sees as zero rows (0 times a value no query may read must not reach
+//     acc). The second GEMM reads V's pair words again from L1 / L2, but its tiles are 16 query
+//     rows of which a GQA group uses a few: decoding without a gradient (no residual) skips it,
+//     2-core Zen 4, attention_with_kvcache 1 token, 32/8 heads, D 128, bf16, medians of 7 x 50
+//     calls, two runs each: cache 4096 1781-2059 -> 1275-1326 us, cache 1024 337-367 -> 255-265.
 // Reads each K and V row once from the cache and writes V's pair words (its own size) to the
 // thread's cache; the fp32 path converts both into fp32 panels (4 bytes written per value and
 // read back). B=1 q=1 32/8 heads D=128 cache 4096 bf16 (fastformer-bench --op decode, 2-core
@@ -275,8 +279,9 @@ struct DecodeBf16Gemms {
   A* const s_t;          // S^T: kBlockK x R16
   T* const k_stage;      // a group of 16 keys the tile loads cannot read in place
   uint32_t* const v_pairs;  // the block's V rows interleaved in pairs: Dv_bf16 / 16 panels
-  T* const p_hi;         // R16 x kBlockK each: P = p_hi + p_lo, zero rows past R
+  T* const p_hi;         // R16 x kBlockK each: P (split: p_hi + p_lo), zero rows past R
   T* const p_lo;
+  const bool split;      // calls that write the output's rounding residual (a backward follows)
 
   DecodeBf16Gemms(const AttnArgs& args, const Shape<A>& shape, int64_t rows, Bf16Gemm gemm_kind)
       : a(args), sh(shape), kind(gemm_kind), R(rows), R16(round_up_to(rows, 16)),
@@ -286,7 +291,8 @@ struct DecodeBf16Gemms {
         k_stage(thread_scratch<T, Scratch::kDecKStage>(16 * shape.D_bf16)),
         v_pairs(thread_scratch<uint32_t, Scratch::kDecVPairs>(kBlockK * shape.Dv_bf16 / 2)),
         p_hi(thread_scratch<T, Scratch::kDecPHi>(R16 * kBlockK)),
-        p_lo(thread_scratch<T, Scratch::kDecPLo>(R16 * kBlockK)) {
+        p_lo(thread_scratch<T, Scratch::kDecPLo>(R16 * kBlockK)),
+        split(args.out_residual.ptr != nullptr) {
     TORCH_INTERNAL_ASSERT(sh.Dv_bf16 == sh.Dv_pad, "bf16 P V tiles write acc rows Dv_pad wide");
   }
 
@@ -332,7 +338,10 @@ struct DecodeBf16Gemms {
         transpose_8x8<A>(s_t + j * R16 + r0, R16, s_tile + r0 * kScoreLd + j, kScoreLd);
   }
 
-  void p_row(const A* p, int64_t r, int64_t cols) { split_row_to_bf16(p, cols, p_hi + r * kBlockK, p_lo + r * kBlockK); }
+  void p_row(const A* p, int64_t r, int64_t cols) {
+    if (split) split_row_to_bf16(p, cols, p_hi + r * kBlockK, p_lo + r * kBlockK);
+    else round_row_to_bf16(p, cols, p_hi + r * kBlockK);
+  }
 
   void pv(int64_t b, int64_t hkv, int64_t kb, int64_t n_keys, int64_t cols, const A*, A* acc, bool accumulate) const {
     const int64_t k0 = kb * kBlockK;
@@ -342,7 +351,7 @@ struct DecodeBf16Gemms {
     };
     put_row_pairs_panels_of(value_row, cols, sh.Dv, sh.Dv_bf16, v_pairs);
     bf16_tile_gemm(kind, R, sh.Dv_bf16, cols, p_hi, kBlockK, v_pairs, acc, sh.Dv_pad, accumulate, Band{});
-    bf16_tile_gemm(kind, R, sh.Dv_bf16, cols, p_lo, kBlockK, v_pairs, acc, sh.Dv_pad, true, Band{});
+    if (split) bf16_tile_gemm(kind, R, sh.Dv_bf16, cols, p_lo, kBlockK, v_pairs, acc, sh.Dv_pad, true, Band{});
   }
 };
 #endif
