@@ -15,6 +15,10 @@ visited.
 
 Hugging Face transformers models get the fastformer attention backend and their norms, MLPs,
 residual adds and (with labels) LM-head loss on fused kernels first: integrations/hf_convert.py.
+So do the ones a wrapper holds (PEFT's ``PeftModel``, a user's module): a LoRA-wrapped linear is
+not an ``nn.Linear``, and the modules reading it are left with the reason. A converted module
+whose parts change afterwards (``get_peft_model`` after ``convert``, hooks) runs its original
+code: integrations/hf_parts.py.
 """
 from __future__ import annotations
 
@@ -173,12 +177,16 @@ def convert(model: nn.Module, inplace: bool = True, *, fused_loss: bool = True,
     if not inplace:
         model = copy.deepcopy(model)
     report = ConversionReport(model)
-    from .integrations import hf_convert
-    if hf_convert.is_transformers_model(model):
-        hf_convert.convert_transformers(model, report.replaced, report.left, loss=fused_loss)
+    from .integrations import hf_convert, hf_parts
+    hf_models = _transformers_models(model, hf_convert.is_transformers_model)
+    for prefix, hf_model in hf_models:
+        replaced, left = [], []
+        hf_convert.convert_transformers(hf_model, replaced, left, loss=fused_loss)
+        report.replaced += [(_join(prefix, path), *rest) for path, *rest in replaced]
+        report.left += [(_join(prefix, path), *rest) for path, *rest in left]
         if prepack_weights:
-            _prepack(model, report)
-    elif prepack_weights:
+            _prepack(hf_model, report, prefix)
+    if prepack_weights and not hf_models:
         report.left.append(("", _type_name(model), "prepack_weights: not a transformers model "
                             "(its nn.Linear layers run torch's F.linear)"))
 
@@ -200,21 +208,42 @@ def convert(model: nn.Module, inplace: bool = True, *, fused_loss: bool = True,
         return module
 
     report.model = visit("", model)
+    reverted = hf_parts.record(report.model)
+    if reverted:
+        paths = {id(m): path for path, m in report.model.named_modules()}
+        for m, what, why in reverted:
+            path = paths[id(m)]
+            report.replaced = [r for r in report.replaced if r != (path, type(m).__name__, what)]
+            report.left.append((path, type(m).__name__, why))
     return report
 
 
-def _prepack(model: nn.Module, report: ConversionReport) -> None:
+def _join(prefix: str, path: str) -> str:
+    return f"{prefix}.{path}" if prefix and path else prefix or path
+
+
+def _transformers_models(model: nn.Module, is_transformers_model) -> list:
+    """(path, module) of the outermost transformers models in model (model itself, or those a
+    wrapper holds: PEFT's PeftModel, a user's module around one or several)."""
+    found = []
+    for path, m in model.named_modules():
+        if is_transformers_model(m) and not any(path.startswith(f"{p}.") or not p for p, _ in found):
+            found.append((path, m))
+    return found
+
+
+def _prepack(model: nn.Module, report: ConversionReport, prefix: str = "") -> None:
     """Register every nn.Linear weight of the model with ops/prepack.py (the copies are made on
     first use, in the dtype the model then has)."""
     from .ops import prepack
     if not prepack.available():
-        report.left.append(("", _type_name(model), "prepack_weights: the blocked-weight route "
+        report.left.append((prefix, _type_name(model), "prepack_weights: the blocked-weight route "
                             "needs AMX-BF16 and torch's oneDNN linear ops"))
         return
     for path, m in model.named_modules():
         if isinstance(m, nn.Linear):
             prepack.register(m.weight)
-            report.prepacked.append(f"{path}.weight" if path else "weight")
+            report.prepacked.append(_join(prefix, f"{path}.weight" if path else "weight"))
 
 
 __all__ = ["convert", "ConversionReport"]

@@ -29,7 +29,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the sweep needs transformers")
 
 import fastformer as ff  # noqa: E402
-from test_hf_sweep import SMALL, _sweep, child_setup, small_model  # noqa: E402
+from test_hf_sweep import SMALL, _sweep, child_setup, running_their_original_code, small_model  # noqa: E402
 
 FAMILIES = """aimv2_vision_model albert beit bit canine chinese_clip_vision_model clip_text_model
 clip_vision_model convbert cosmos3_edge_text csm cvt data2vec-vision deberta deberta-v2 deit dinov2
@@ -154,7 +154,8 @@ def _one(name: str, queue, package: str) -> None:
         ff.convert(model)
         ours = _run(model, inputs)
         scale = exact.abs().max().item() or 1.0
-        queue.put(("ok", ((ours - exact).abs().max().item() / scale, (eager - exact).abs().max().item() / scale)))
+        queue.put(running_their_original_code(model)
+                  or ("ok", ((ours - exact).abs().max().item() / scale, (eager - exact).abs().max().item() / scale)))
     except Exception as exc:  # noqa: BLE001
         queue.put(("ours fails", f"{type(exc).__name__}: {str(exc)[:200]}"))
 

@@ -104,7 +104,7 @@ from ..ops.dropout import dropout
 from ..ops.embedding import embedding
 from ..ops.ffn import ffn
 from ..ops.linear import linear
-from . import hf_moe
+from . import hf_moe, hf_parts
 from .hf_own_attention import OWN_ATTENTION, convert_mpt_block
 from .hf_lm_loss import CausalLMLoss as _CausalLMLoss
 from .hf_lm_loss import MoECausalLMLoss as _MoECausalLMLoss
@@ -137,18 +137,29 @@ def is_transformers_model(model: nn.Module) -> bool:
 
 
 def _swap(module: nn.Module, mixin: type) -> None:
-    """module.__class__ -> a subclass of it with mixin's methods first (same name)."""
+    """module.__class__ -> a subclass of it with mixin's methods first (same name). Each method
+    of cls the mixin overrides runs cls's own where the parts it reads changed after the
+    conversion (hf_parts.py: a LoRA layer in place of a linear, hooks)."""
     cls = type(module)
     new = _SWAPPED.get((cls, mixin))
     if new is None:
-        body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                "_fastformer_original": cls}
-        forward = getattr(mixin, "forward", None)
-        if forward is not None and _passes_keywords_on(forward):
-            body["forward"] = _with_signature_of(forward, cls.forward)
+        body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_fastformer_original": cls,
+                "_ff_parts": (), "_ff_reads_when": getattr(mixin, "_ff_reads_when", None)}
+        for name in _overridden(mixin, cls):
+            method = getattr(mixin, name)
+            if name == "forward" and _passes_keywords_on(method):
+                method = _with_signature_of(method, cls.forward)
+            body[name] = hf_parts.guarded(method, getattr(cls, name))
         new = type(cls.__name__, (mixin, cls), body)
         _SWAPPED[(cls, mixin)] = new
     module.__class__ = new
+
+
+def _overridden(mixin: type, cls: type) -> list:
+    """The names of cls's methods that mixin (or a base of it) defines again."""
+    names = {n for base in mixin.__mro__[:-1] for n, v in vars(base).items()
+             if inspect.isfunction(v) and not n.startswith("__")}
+    return sorted(n for n in names if inspect.isfunction(getattr(cls, n, None)))
 
 
 def _passes_keywords_on(fn: Callable) -> bool:
@@ -212,6 +223,7 @@ def _convert_gated_mlp(m: nn.Module) -> Optional[str]:
 class _BertAddNorm:
     """BertSelfOutput / BertOutput: LayerNorm(dropout(dense(h)) + x)."""
     _ff_what = "ff.add_layer_norm (dense -> dropout -> add + LayerNorm)"
+    _ff_reads = ("LayerNorm",)  # read, not called (hf_parts.py)
 
     def forward(self, hidden_states, input_tensor):
         return _layer_norm_added(self.LayerNorm, self.dropout(self.dense(hidden_states)), input_tensor)
@@ -229,6 +241,8 @@ def _bert_ff_chunk(layer, attention_output, original):
 
 class _BertLayer:
     _ff_what = "ff.ffn + ff.add_layer_norm (feed-forward chunk)"
+    _ff_reads = ("intermediate", "intermediate.dense", "intermediate.intermediate_act_fn", "output", "output.dense",
+                 "output.LayerNorm")  # read, not called (hf_parts.py)
 
     def feed_forward_chunk(self, attention_output):
         return _bert_ff_chunk(self, attention_output, super().feed_forward_chunk)
@@ -236,7 +250,7 @@ class _BertLayer:
 
 class _LongformerLayer:
     """Longformer's layer: BERT's feed-forward chunk under the name ff_chunk."""
-    _ff_what = _BertLayer._ff_what
+    _ff_what, _ff_reads = _BertLayer._ff_what, _BertLayer._ff_reads
 
     def ff_chunk(self, attn_output):
         return _bert_ff_chunk(self, attn_output, super().ff_chunk)
@@ -251,6 +265,8 @@ def _convert_bert_layer(m: nn.Module, mixin: type = _BertLayer) -> Optional[str]
 
 class _DistilBertBlock:
     _ff_what = "ff.add_layer_norm x2 + ff.ffn"
+    _ff_reads = ("sa_layer_norm", "ffn", "ffn.lin1", "ffn.lin2", "ffn.activation",
+                 "output_layer_norm")  # read, not called (hf_parts.py)
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):
         if kwargs.get("output_attentions"):
@@ -283,6 +299,7 @@ class _LinearMLP:
 
 class _ViTLayer:
     _ff_what = "residual add fused into layernorm_after"
+    _ff_reads = ("layernorm_after",)  # read, not called (hf_parts.py)
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):
         if kwargs.get("output_attentions"):
@@ -305,6 +322,7 @@ class _GPT2MLP:
 
 class _GPT2Block:
     _ff_what = "residual add fused into ln_2"
+    _ff_reads = ("ln_2",)  # read, not called (hf_parts.py)
 
     def forward(self, hidden_states, *args, **kwargs):
         if args or kwargs.get("encoder_hidden_states") is not None or kwargs.get("output_attentions"):
@@ -391,6 +409,7 @@ class _T5RelativeBias:
     return its gradient, instead of T5 building and adding a (1, H, Lq, Lk) tensor per call
     (and its gradient in training). Under another attention implementation: the original."""
     _ff_what = "ff.RelativePositionBias (the bias inside the attention kernels)"
+    _ff_reads = ("relative_attention_bias",)  # read, not called (hf_parts.py)
 
     def compute_bias(self, query_length, key_length, device=None, past_seen_tokens=0):
         from . import transformers as ff_hf

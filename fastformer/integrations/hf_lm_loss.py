@@ -41,9 +41,21 @@ def _output(cls, loss, outputs, **extra):
     return cls(**out)
 
 
+def _head_path(model: nn.Module) -> tuple:
+    """The output embeddings' path: the one child the loss reads (integrations/hf_parts.py); it
+    calls the decoder."""
+    head = model.get_output_embeddings()
+    return tuple(name for name, m in model.named_modules() if m is head and name)[:1]
+
+
+def _with_labels(self, args, kwargs) -> bool:
+    return kwargs.get("labels") is not None
+
+
 class CausalLMLoss:
     """Llama's form (and every family ff.convert lists): the LM loss."""
     _ff_what = "ff.linear_cross_entropy with labels"
+    _ff_reads, _ff_reads_when = _head_path, _with_labels
 
     def forward(self, *args, labels=None, **kwargs):
         if labels is None or args or kwargs.get("return_dict") is False:
@@ -60,6 +72,7 @@ class MoECausalLMLoss:
     """Mixtral's form (mixture-of-experts CausalLMs): the LM loss, plus router_aux_loss_coef times
     the family's load_balancing_loss_func of the router logits when output_router_logits."""
     _ff_what = "ff.linear_cross_entropy with labels (plus the router's load-balancing loss)"
+    _ff_reads, _ff_reads_when = _head_path, _with_labels
 
     def forward(self, *args, labels=None, output_router_logits=None, **kwargs):
         if labels is None or args or kwargs.get("return_dict") is False:

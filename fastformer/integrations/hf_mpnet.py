@@ -47,6 +47,7 @@ def _full_bias(bias: RelativePositionBias, batch: int, length: int) -> torch.Ten
 
 class MPNetEncoderMixin:
     _ff_what = "ff.RelativePositionBias (the bias inside the attention kernels; no (B, H, L, L) tensor)"
+    _ff_reads = ("relative_attention_bias",)  # read, not called (hf_parts.py); the layers are checked below
 
     def compute_position_bias(self, x, position_ids=None, num_buckets=_BUCKETS):
         if (position_ids is not None or num_buckets != _BUCKETS
@@ -77,6 +78,8 @@ class MPNetAttentionMixin:
 
 class MPNetLayerMixin:
     _ff_what = "ff.ffn + ff.add_layer_norm (intermediate -> output)"
+    _ff_reads = ("intermediate", "intermediate.dense", "intermediate.intermediate_act_fn", "output", "output.dense",
+                 "output.LayerNorm")  # read, not called (hf_parts.py)
 
     def forward(self, hidden_states, attention_mask=None, position_bias=None, output_attentions=False, **kwargs):
         outputs = self.attention(hidden_states, attention_mask, position_bias=position_bias,

@@ -81,6 +81,7 @@ def layer_norm_added(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -
 class PreNormDecoderLayer:
     """residual + mlp(norm2(residual + attn(norm1(x)))) with norm2's add fused."""
     _ff_what = "residual add fused into post_attention_layernorm"
+    _ff_reads = ("post_attention_layernorm",)  # read, not called (hf_parts.py)
 
     def forward(self, hidden_states, *args, **kwargs):
         if args or kwargs.get("output_attentions"):
@@ -106,6 +107,7 @@ class SandwichDecoderLayer:
     """Gemma 2/3: the attention and MLP outputs normed before their residual adds; the add of the
     attention branch fused into the MLP's pre-norm."""
     _ff_what = "residual add fused into pre_feedforward_layernorm"
+    _ff_reads = ("pre_feedforward_layernorm",)  # read, not called (hf_parts.py)
 
     def forward(self, hidden_states, *args, **kwargs):
         if args or kwargs.get("output_attentions"):
@@ -123,6 +125,7 @@ class PreNormEncoderLayer:
     is written contiguous: SigLIP's starts channels-strided (its patch embedding's conv output
     transposed), a layout every eager residual add after it keeps."""
     _ff_what = "residual add fused into layer_norm2"
+    _ff_reads = ("layer_norm2",)  # read, not called (hf_parts.py)
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):
         if kwargs.get("output_attentions"):
@@ -136,6 +139,7 @@ class PreNormEncoderLayer:
 class BarkBlock:
     """Bark's block (GPT-2's pre-norm form, returning a tuple): layernorm_2's residual add fused."""
     _ff_what = "residual add fused into layernorm_2"
+    _ff_reads = ("layernorm_2",)  # read, not called (hf_parts.py)
 
     def forward(self, hidden_states, cache=None, attention_mask=None, use_cache=False, output_attentions=False,
                 **kwargs):

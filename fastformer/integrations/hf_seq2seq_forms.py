@@ -55,12 +55,18 @@ def _feed_forward(layer, x: torch.Tensor) -> torch.Tensor:
     return _drop(layer, model_ffn(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, layer._ff_act, p_act))
 
 
+# the children the layers read (integrations/hf_parts.py; those a layer lacks are skipped): not the
+# attention modules, which they call
+_READS = ("fc1", "fc2", "activation_fn", "self_attn_layer_norm", "encoder_attn_layer_norm", "final_layer_norm")
+
+
 def _runs_original(hidden_states: torch.Tensor, kwargs: dict) -> bool:
     return hidden_states.dtype == torch.float16 or bool(kwargs.get("output_attentions"))
 
 
 class _EncoderLayerForm:
     """The converted forward's signature and the calls it leaves to the original."""
+    _ff_reads = _READS
 
     def forward(self, hidden_states, attention_mask=None, **kwargs):
         if _runs_original(hidden_states, kwargs):
@@ -71,6 +77,7 @@ class _EncoderLayerForm:
 class _DecoderLayerForm:
     """The same for decoder layers (called with hidden_states, attention_mask and
     encoder_hidden_states positional, the rest by keyword)."""
+    _ff_reads = _READS
 
     def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
                 encoder_attention_mask=None, cache=None, use_cache=True, **kwargs):
