@@ -24,6 +24,7 @@ the table names them. The max-err column: the largest difference of ours from sd
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 
 import torch
@@ -43,6 +44,8 @@ def _configs():
     return {
         # name: (config class, model class, config, batch, length)
         "Llama-style 4x2048 GQA 32/8": (t.LlamaConfig, t.LlamaForCausalLM, llama, 1, 1024),
+        # the same model fine-tuned with LoRA (_LORA; training only, needs peft)
+        "Llama-style 4x2048 GQA 32/8 LoRA r16": (t.LlamaConfig, t.LlamaForCausalLM, llama, 1, 1024),
         "Mistral-style 4x2048 window 512": (t.MistralConfig, t.MistralForCausalLM,
                                             dict(llama, sliding_window=512), 1, 1024),
         # multi-head latent attention (q/k head dim 192, v 128), dense MLPs (no MoE layer)
@@ -218,18 +221,38 @@ TOLERANCE = {"float32": 2e-5, "bfloat16": 0.057}
 TOLERANCE_NOTE = "relative to sdpa's largest output value"
 
 
+# PEFT LoRA fine-tuning: adapters of rank 16 on every linear layer but the LM head, the base
+# weights frozen (a training step makes no weight gradient but the adapters'). Every candidate
+# gets the same adapters; ours gets them before ff.convert, which leaves the MLPs over LoRA
+# layers to their own code (integrations/hf_parts.py) and converts the rest.
+_LORA = {"Llama-style 4x2048 GQA 32/8 LoRA r16": dict(r=16, lora_alpha=32, target_modules="all-linear")}
+
+
+def _with_lora(model, name: str):
+    if name not in _LORA:
+        return model
+    import peft
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(**_LORA[name]))
+
+
 def cases(device: str, dtypes: list, quick: bool = False):
     """Every case; quick: the representative one fastformer-bench runs without --full (the
-    pretrained MiniLM, inference and a training step)."""
+    pretrained MiniLM, inference and a training step). The LoRA cases train only, and only
+    where peft is installed."""
     names = ["all-MiniLM-L6-v2 (pretrained)"] + list(_configs())
     if quick:
         names = names[:1]
+    has_peft = importlib.util.find_spec("peft") is not None
     for name in names:
+        if name in _LORA and not has_peft:
+            continue
         for dtype in dtypes:
             if dtype == torch.float16:
                 continue
             for mode in ("inference", "train"):
-                yield dict(model=name, dtype=dtype, mode=mode, device=device)
+                if mode == "train" or name not in _LORA:
+                    yield dict(model=name, dtype=dtype, mode=mode, device=device)
 
 
 def case_name(c: dict) -> str:
@@ -324,12 +347,12 @@ def build(c: dict):
             # Falcon refuses to switch (its attention reads the config's name on every call): set
             # the name itself on this copy's config
             m.config._attn_implementation = impl
-        models[name] = m
-    ours = copy.deepcopy(base)
+        models[name] = _with_lora(m, c["model"])
+    ours = _with_lora(copy.deepcopy(base), c["model"])
     ff.convert(ours)
     models["ours"] = ours
     if not train and c["dtype"] == torch.bfloat16 and prepack.available():
-        models["ours_prepack"] = ff.convert(copy.deepcopy(base), prepack_weights=True).model
+        models["ours_prepack"] = ff.convert(_with_lora(copy.deepcopy(base), c["model"]), prepack_weights=True).model
     if COMPILE:
         # Every model's forward runs through the same transformers wrapper code objects, whose
         # compiled entries dynamo caps (cache_size_limit, 8): past that it runs them eagerly, and

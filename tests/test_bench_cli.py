@@ -266,3 +266,27 @@ def test_decode_encoder_decoder_generate_candidates_are_what_their_names_say(mon
         assert not kinds["sdpa"] and attention in kinds["ours"], kinds
         assert row.case.startswith("HF generate") and error() == 0
         assert fns["ours"]().shape[0] == 2
+
+
+def test_models_lora_case_gives_every_candidate_the_same_adapters(monkeypatch):
+    """The models suite's LoRA case (a small stand-in): every candidate a PeftModel with the same
+    adapters, ours converted around them (the MLPs over LoRA layers left), one training step's
+    loss alike."""
+    t = pytest.importorskip("transformers", reason="needs transformers")
+    pytest.importorskip("peft", reason="the LoRA case needs peft")
+    from fastformer.benchmarks import models
+    name = next(iter(models._LORA))
+    small = {name: (t.LlamaConfig, t.LlamaForCausalLM,
+                    dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2), 1, 16)}
+    monkeypatch.setattr(models, "_configs", lambda: small)
+    monkeypatch.setattr(models, "COMPILE", False)
+    fns, row, error = models.build(dict(model=name, dtype=torch.float32, device="cpu", mode="train"))
+    peft_models = {n: next(c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, torch.nn.Module))
+                   for n, fn in fns.items()}
+    adapters = {n: {k: v for k, v in m.state_dict().items() if "lora_" in k} for n, m in peft_models.items()}
+    assert adapters["ours"] and all(a.keys() == adapters["sdpa"].keys() for a in adapters.values())
+    assert all(torch.equal(adapters["ours"][k], adapters["sdpa"][k]) for k in adapters["sdpa"])
+    converted = {type(m).__name__ for m in peft_models["ours"].modules() if hasattr(type(m), "_ff_what")}
+    assert "LlamaRMSNorm" in converted and "LlamaMLP" not in converted, converted
+    assert error() <= 1e-5

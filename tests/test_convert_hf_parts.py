@@ -292,3 +292,36 @@ def test_compiled_converted_model_with_a_wrapped_part():
     compiled = torch.compile(ours, fullgraph=True, backend="eager")
     with torch.no_grad():
         _close(compiled(input_ids=_ids()).logits, ref.double()(input_ids=_ids()).logits)
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing(name, reentrant):
+    """transformers' gradient checkpointing recomputes each converted layer in the backward."""
+    ref, ours = MODELS[name](), MODELS[name]()
+    ff.convert(ours)
+    for m in (ref, ours):
+        m.train()
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    _matches(ours, ref, expect_warning=False)
+
+
+def test_gradient_checkpointing_regenerates_dropout():
+    """With dropout, a checkpointed converted BERT's gradients are the uncheckpointed one's: the
+    recomputed forward draws the same masks (torch's RNG state is restored, and the kernels'
+    Philox seeds come from it)."""
+    def model():
+        torch.manual_seed(0)
+        config = transformers.BertConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=96, hidden_dropout_prob=0.1,
+                                         attention_probs_dropout_prob=0.1)
+        m = transformers.BertForMaskedLM(config).train()
+        ff.convert(m)
+        return m
+    plain, checkpointed = model(), model()
+    checkpointed.gradient_checkpointing_enable()
+    for m in (plain, checkpointed):
+        torch.manual_seed(3)
+        m(input_ids=_ids(), labels=_ids()).loss.backward()
+    for (n, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
+        assert torch.equal(p.grad, q.grad), n
