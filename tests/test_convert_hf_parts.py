@@ -11,6 +11,7 @@ that runs its original code where nothing changed fails the suite.
 import contextlib
 import copy
 import functools
+import io
 
 import pytest
 import torch
@@ -136,15 +137,60 @@ def test_a_part_read_by_a_layer_wrapped_after_convert():
 
 
 def test_a_part_replaced_by_a_plain_linear_is_read_without_fallback():
-    """A new nn.Linear of the same type in a part's place is read as the old one was."""
+    """A new nn.Linear in a converted linear's place (resize_token_embeddings' new head, a
+    user's swap) is read as the old one was: no fallback."""
     ref, ours = _llama(), _llama()
     ff.convert(ours)
     torch.manual_seed(3)
     new = nn.Linear(64, 96, bias=False)
     ref.model.layers[0].mlp.up_proj = new
     ours.model.layers[0].mlp.up_proj = copy.deepcopy(new)
-    ff.convert(ours)  # the new linear on the few-row kernel, as the old one: the part's type again
     _matches(ours, ref, expect_warning=False)
+
+
+FAMILIES = {"llama": _llama, "bert": _bert, "gpt2": _gpt2,
+            "t5": lambda: transformers.T5Model(transformers.T5Config(vocab_size=V, d_model=64, d_kv=16, d_ff=96,
+                                                                     num_layers=2, num_heads=4,
+                                                                     dropout_rate=0.0)).eval(),
+            "gemma2": lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+                vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, sliding_window=8)).eval(),
+            "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+                vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)).eval()}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_converted_model_pickles(name):
+    """torch.save / torch.load of the whole converted model: pickle looks classes up by module and
+    name, which the converted subclasses share with their originals; they pickle as recipes."""
+    torch.manual_seed(0)
+    model = FAMILIES[name]()
+    ff.convert(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    converted = [type(m).__mro__[1] for m in model.modules() if hasattr(type(m), "_fastformer_original")]
+    assert converted == [type(m).__mro__[1] for m in loaded.modules() if hasattr(type(m), "_fastformer_original")]
+    inputs = dict(input_ids=_ids())
+    if name == "t5":
+        inputs["decoder_input_ids"] = _ids(5)
+    with torch.no_grad():
+        a, b = model(**inputs), loaded(**inputs)
+    key = "logits" if getattr(a, "logits", None) is not None else "last_hidden_state"
+    assert torch.equal(getattr(a, key), getattr(b, key))
+
+
+def test_a_peft_model_around_a_converted_model_pickles():
+    ours = _peft(_llama(), "llama")
+    ff.convert(ours)
+    buffer = io.BytesIO()
+    torch.save(ours, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(_out(ours), _out(loaded))
 
 
 @pytest.mark.parametrize("kind", ["forward_hook", "pre_hook", "instance_forward"])
@@ -325,3 +371,18 @@ def test_gradient_checkpointing_regenerates_dropout():
         m(input_ids=_ids(), labels=_ids()).loss.backward()
     for (n, p), q in zip(plain.named_parameters(), checkpointed.parameters()):
         assert torch.equal(p.grad, q.grad), n
+
+
+def test_a_pickled_converted_model_loads_in_a_fresh_process(tmp_path):
+    """Unpickling registers the attention and experts implementations the model names."""
+    import subprocess
+    import sys
+    model = FAMILIES["mixtral"]()
+    ff.convert(model)
+    torch.save(model, tmp_path / "model.pt")
+    with torch.no_grad():
+        torch.save((_ids(), model(input_ids=_ids()).logits), tmp_path / "expected.pt")
+    script = ("import torch; m = torch.load('model.pt', weights_only=False); ids, want = torch.load('expected.pt');"
+              "assert m.config._attn_implementation == 'fastformer';"
+              "assert torch.equal(m(input_ids=ids).logits, want)")
+    subprocess.run([sys.executable, "-c", script], cwd=tmp_path, check=True)

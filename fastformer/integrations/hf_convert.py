@@ -139,12 +139,15 @@ def is_transformers_model(model: nn.Module) -> bool:
 def _swap(module: nn.Module, mixin: type) -> None:
     """module.__class__ -> a subclass of it with mixin's methods first (same name). Each method
     of cls the mixin overrides runs cls's own where the parts it reads changed after the
-    conversion (hf_parts.py: a LoRA layer in place of a linear, hooks)."""
+    conversion (hf_parts.py: a LoRA layer in place of a linear, hooks). The subclass pickles as
+    a recipe (_unpickle): pickle finds a class by its module and name, which are cls's."""
     cls = type(module)
     new = _SWAPPED.get((cls, mixin))
     if new is None:
+        recipe = (cls, "rotary" if getattr(mixin, "_ff_rotary", False) else mixin)
         body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "_fastformer_original": cls,
-                "_ff_parts": (), "_ff_reads_when": getattr(mixin, "_ff_reads_when", None)}
+                "_ff_parts": (), "_ff_reads_when": getattr(mixin, "_ff_reads_when", None),
+                "__reduce_ex__": lambda self, protocol: (_unpickle, recipe, self.__dict__)}
         for name in _overridden(mixin, cls):
             method = getattr(mixin, name)
             if name == "forward" and _passes_keywords_on(method):
@@ -153,6 +156,19 @@ def _swap(module: nn.Module, mixin: type) -> None:
         new = type(cls.__name__, (mixin, cls), body)
         _SWAPPED[(cls, mixin)] = new
     module.__class__ = new
+
+
+def _unpickle(cls: type, mixin) -> nn.Module:
+    """A converted module from its pickle (its state follows): cls swapped for mixin, or for the
+    rotary mixin hf_rotary makes for cls (a class of its own per attention class). The
+    attention and experts implementations the converted model names are registered here (a
+    process that loads a pickled model may not have converted one)."""
+    from . import transformers as ff_hf
+    ff_hf.register()
+    hf_moe.register()
+    module = cls.__new__(cls)
+    _swap(module, rotary_mixin(cls)[0] if mixin == "rotary" else mixin)
+    return module
 
 
 def _overridden(mixin: type, cls: type) -> list:

@@ -42,6 +42,12 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
 _CAPTURING_HOOKS_MODULE = "transformers.utils.output_capturing"
 
 
+def _unswapped(kind: type) -> type:
+    """A converted module's original class (a part read by its weights may be either: a new
+    nn.Linear in place of a converted one is read alike); recorded so, the record pickles."""
+    return getattr(kind, "_fastformer_original", None) or kind
+
+
 def _hooks_that_count(m: nn.Module) -> bool:
     """Whether m has a hook its converted parent would skip (not transformers' capturing ones)."""
     for name in _HOOK_DICTS:
@@ -62,7 +68,7 @@ def changed(module: nn.Module) -> Optional[str]:
             part = part._modules.get(name)
             if part is None:
                 return f"its part {'.'.join(path)} was removed"
-        if type(part) is not kind:
+        if _unswapped(type(part)) is not kind:
             return (f"its part {'.'.join(path)} is now {type(part).__module__}.{type(part).__qualname__}, not the "
                     f"{kind.__qualname__} it read")
         if "forward" in part.__dict__:
@@ -125,7 +131,7 @@ def record(model: nn.Module) -> list:
             for name in path.split("."):
                 part = part._modules.get(name) if part is not None else None
             if part is not None:
-                parts.append((tuple(path.split(".")), type(part)))
+                parts.append((tuple(path.split(".")), _unswapped(type(part))))
         odd = next((".".join(p) for p, kind in parts if not _plain(kind)), None)
         if odd is not None:
             kind, what = type(m.get_submodule(odd)), getattr(type(m), "_ff_what", None)

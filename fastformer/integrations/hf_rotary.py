@@ -208,7 +208,8 @@ def rotary_mixin(cls: type):
         patched, found = _with_global(forward, GLOBAL, _fused(original))
         result = ((type("_RotaryAttention", (), {"forward": _eager_only(patched, forward),
                                                  "_ff_what": "the rotary embedding of q and k on ff.apply_rotary",
-                                                 "_ff_reads": ()}), None)  # it calls its projections
+                                                 "_ff_reads": (),  # it calls its projections
+                                                 "_ff_rotary": True}), None)
                   if found else (None, f"its forward does not call {GLOBAL}"))
     _MIXINS[cls] = result
     return result
