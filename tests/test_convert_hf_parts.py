@@ -12,6 +12,7 @@ import contextlib
 import copy
 import functools
 import io
+import warnings
 
 import pytest
 import torch
@@ -386,3 +387,38 @@ def test_a_pickled_converted_model_loads_in_a_fresh_process(tmp_path):
               "assert m.config._attn_implementation == 'fastformer';"
               "assert torch.equal(m(input_ids=ids).logits, want)")
     subprocess.run([sys.executable, "-c", script], cwd=tmp_path, check=True)
+
+
+class _Batches(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        ids = torch.randint(3, V, (17,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids.clone(), "attention_mask": torch.ones(17, dtype=torch.long)}
+
+
+def test_trainer_with_lora_and_gradient_checkpointing(tmp_path):
+    """transformers' Trainer, four steps of LoRA fine-tuning with gradient checkpointing: the
+    converted model logs the unconverted one's losses (the loss on ff.linear_cross_entropy with
+    num_items_in_batch; the MLPs over LoRA layers on their own code)."""
+    pytest.importorskip("peft", reason="PEFT is an optional test dependency")
+    pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+
+    def losses(convert):
+        model = _llama()
+        if convert:
+            ff.convert(model)
+        model = _peft(model, "llama")
+        args = transformers.TrainingArguments(str(tmp_path / str(convert)), per_device_train_batch_size=4, max_steps=4,
+                                              learning_rate=1e-2, logging_steps=1, report_to=[], use_cpu=True,
+                                              gradient_checkpointing=True, save_strategy="no", seed=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_Batches())
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=FALLBACK)  # LoRA put in after the conversion
+            trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    ours, ref = losses(True), losses(False)
+    assert len(ours) == len(ref) == 4
+    assert ours == pytest.approx(ref, rel=1e-5)
