@@ -275,7 +275,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("rotary", &cb::rotary, py::arg("x"), py::arg("o"), py::arg("conj") = false);
   m.def("relative_bias_fwd", &cb::relative_bias_fwd, "DeBERTa's c2p + p2c bias, masked: (B, H, Lq, Lk)");
   m.def("relative_bias_bwd", &cb::relative_bias_bwd, "(dc2p, dp2c) of relative_bias_fwd (None where not needed)");
-  m.def("ffn_fwd", &cb::ffn_fwd);
+  m.def("ffn_fwd", &cb::ffn_fwd, py::arg("x"), py::arg("w1"), py::arg("b1"), py::arg("w2"), py::arg("b2"),
+        py::arg("w_up"), py::arg("b_up"), py::arg("o"), py::arg("save_preactivation") = true);
   m.def("ffn_bwd", &cb::ffn_bwd);
   m.def("ffn_linear_fwd", &cb::ffn_linear_fwd, "x w^T + b on the FFN's packed GEMM", py::arg("x"),
         py::arg("w"), py::arg("b"), py::arg("out") = py::none());

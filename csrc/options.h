@@ -50,7 +50,6 @@ namespace fastformer {
   X(int64_t, activation)                  \
   X(double, dropout_p)                    \
   X(std::optional<at::Tensor>, rng_state) \
-  X(bool, store_preactivation)            \
   X(double, swiglu_limit)
 
 #define FF_ROTARY_OPTIONS(X)        \

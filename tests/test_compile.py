@@ -219,7 +219,7 @@ def test_opcheck_every_op():
                   attn_ops.AttentionOptions(causal=2, key_padding_mask=kpm), (0,))
     xf, w1, w2, wu = torch.randn(5, 8), torch.randn(12, 8), torch.randn(8, 12), torch.randn(12, 8)
     _opcheck_pair(ffn_ops.FFN, [xf, w1, torch.randn(12), w2, None, wu, None],
-                  ffn_ops.FfnOptions(activation=3, store_preactivation=True), (0,))
+                  ffn_ops.FfnOptions(activation=3), (0,))
     xr = torch.randn(2, 3, 7, 16)
     _opcheck_pair(rotary_ops.ROTARY, [xr],
                   rotary_ops.RotaryOptions(cos=torch.randn(7, 8), sin=torch.randn(7, 8)), (0,))

@@ -189,21 +189,22 @@ def test_cpu_packed_routes_in_fp64(gated, bias):
 
 
 def _vendor_route_matches_reference(impl, gated, bias, device="cpu", dropout_p=0.0):
-    """An Impl's fwd / bwd and its eager autograd route (where it has one for the call)
-    against the reference, fp64 (dropout: the same drawn mask on both)."""
+    """An Impl's fwd / inference / bwd and its eager autograd route (where it has one for the
+    call) against the reference, fp64 (dropout: the same drawn mask on both)."""
     from fastformer.ops import ffn as ops
     from fastformer.reference import ffn as ref
     *tensors, _ = _params(37, 24, 50, torch.float64, gated, bias)
     x, w1, b1, w2, b2, wu, bu = (t.to(device) if t is not None else None for t in tensors)
     for act in range(4):
         drop = dict(dropout_p=dropout_p, rng_state=draw_rng_state()) if dropout_p else {}
-        o = ops.FfnOptions(activation=act, store_preactivation=True, **drop)
+        o = ops.FfnOptions(activation=act, **drop)
         y, s = impl.fwd(x, w1, b1, w2, b2, wu, bu, o)
         yr, sr = ref.ffn_fwd(x, w1, b1, w2, b2, wu, bu, o)
         assert torch.allclose(y, yr) and torch.allclose(s, sr), (act, "forward")
-        # no backward to come: h is written over the pre-activation buffer
-        y_inference, _ = impl.fwd(x, w1, b1, w2, b2, wu, bu, ops.FfnOptions(activation=act, **drop))
+        # no backward to come: h is written over the pre-activation buffer, nothing is kept
+        y_inference, kept = impl.inference(x, w1, b1, w2, b2, wu, bu, o)
         assert torch.allclose(y_inference, yr), (act, "forward without a saved pre-activation")
+        assert kept.numel() == 0
         dy = torch.randn(37, 24, dtype=torch.float64, device=device)
         g = impl.bwd((dy,), (x, w1, w2, wu, s), o, (True,) * 7)
         gr = ref.ffn_bwd(dy, x, w1, w2, wu, sr, o, (True,) * 7)
@@ -573,9 +574,10 @@ def test_opcheck_ffn_ops():
     from fastformer.ops import ffn as ffn_ops
     op = ffn_ops.FFN
     x, w1, b1, w2, b2, w_up, b_up, dy = _params(5, 8, 12, torch.float32, True, True)
-    o = ffn_ops.FfnOptions(activation=3, store_preactivation=True)
+    o = ffn_ops.FfnOptions(activation=3)
     args = op.op_args((x, w1, b1, w2, b2, w_up, b_up), o)
     torch.library.opcheck(op.fwd_op, args)
+    torch.library.opcheck(op.inference_op, args)  # calls without a gradient: nothing saved
     _, saved, token = op.fwd_op(*args)
     torch.library.opcheck(op.bwd_op, ([dy], [x, w1, w2, w_up, saved], *o.flat(), [True] * 7,
                                       token))
@@ -674,3 +676,27 @@ def test_cuda_backend_wiring_with_stand_in_epilogues(monkeypatch):
     for gated in (False, True):
         for bias in (False, True):
             _vendor_route_matches_reference(ops._CudaCublas(), gated, bias)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_calls_without_a_gradient_keep_no_preactivation(monkeypatch, traced):
+    """A call without a gradient runs the implementation's `inference` (eager, and under
+    torch.compile the op fastformer::ffn_inference): no pre-activation kept; with a gradient,
+    `fwd` keeps it for the backward."""
+    from fastformer.reference import ffn as ref
+    kept = []
+    real = ref.ffn_fwd
+    monkeypatch.setattr(ref, "ffn_fwd", lambda *args, keep=True: kept.append(keep) or real(*args, keep=keep))
+    x, w1, b1, w2, b2, *_ = _params(9, 8, 12, torch.float32, False, True)
+    run = lambda x: ff.ffn(x, w1, b1, w2, b2, "gelu")  # noqa: E731
+    if traced:
+        torch._dynamo.reset()
+        run = torch.compile(run, backend="eager", fullgraph=True)
+    with ff.use_backend("reference"):
+        with torch.no_grad():
+            y = run(x)
+        assert kept == [False]
+        run(x.requires_grad_()).sum().backward()
+    assert kept == [False, True] and x.grad is not None
+    from fastformer.ops.ffn import FfnOptions
+    torch.testing.assert_close(y, real(x.detach(), w1, b1, w2, b2, None, None, FfnOptions(activation=1))[0])

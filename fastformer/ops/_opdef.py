@@ -280,8 +280,10 @@ class OpDef:
             diff = tuple(getattr(o, n) for n in o.differentiable)
         grad = needs_grad(inputs) or bool(diff and needs_grad(diff))
         if via_custom_op(inputs, o.tensors()):
-            op = self.fwd_op if grad or self.inference_op is None else self.inference_op
-            return op(*inputs, *o.flat())[:self.visible]
+            if grad or self.inference_op is None:
+                return self.fwd_op(*inputs, *o.flat())[:self.visible]
+            out = self.inference_op(*inputs, *o.flat())
+            return (out,) if isinstance(out, torch.Tensor) else out
         impl = backends.select(self.call(inputs, o))
         if grad:
             out = impl.autograd(*inputs, o) if impl.autograd is not None else None
@@ -366,18 +368,22 @@ class OpDef:
 
     def _define_inference_op(self) -> None:
         """fastformer::<op>_inference: the forward of calls without a gradient (no autograd),
-        returning the visible outputs."""
+        returning the visible outputs (one: a Tensor, as the schema says)."""
         n_in, opts, visible = self.n_inputs, self.options, self.visible
-        out_schema = f"{self._arg_schema} -> ({', '.join(['Tensor'] * visible)})"
+        out_schema = f"{self._arg_schema} -> " + ("Tensor" if visible == 1 else f"({', '.join(['Tensor'] * visible)})")
+
+        def visible_outputs(outputs):
+            outputs = tuple(outputs)
+            return outputs[0] if visible == 1 else outputs[:visible]
 
         def inference_impl(*args):
             inputs, o = args[:n_in], opts(*args[n_in:])
             impl = self.select(inputs, o)
-            return tuple((impl.inference or impl.fwd)(*inputs, o))[:visible]
+            return visible_outputs((impl.inference or impl.fwd)(*inputs, o))
 
         self.inference_op = torch.library.custom_op(f"fastformer::{self.name}_inference", inference_impl,
                                                     mutates_args=(), schema=out_schema)
-        self.inference_op.register_fake(lambda *args: tuple(self.fake_fwd(*args[:n_in], opts(*args[n_in:])))[:visible])
+        self.inference_op.register_fake(lambda *args: visible_outputs(self.fake_fwd(*args[:n_in], opts(*args[n_in:]))))
 
     def op_args(self, inputs: tuple, o) -> tuple:
         """The forward custom op's arguments for a call (torch.library.opcheck in the tests)."""

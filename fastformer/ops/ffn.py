@@ -10,7 +10,9 @@ One call, top to bottom:
        gradients on AMX: ops/linear.py) |
        _C.ffn_fwd (cpu: csrc/cpu/ffn.cpp) | reference/ffn.py
 
-The gated variant is the same op with ``w_up`` given (w1/b1 = gate, w2/b2 = down). Saved for
+The gated variant is the same op with ``w_up`` given (w1/b1 = gate, w2/b2 = down). Each
+implementation's ``fwd`` keeps the pre-activation for the backward and its ``inference`` (calls
+without a gradient: OpDef takes it, eager or traced) does not. Saved for
 the backward: x, the weights and the pre-activation (gated: [gate | up] as one (N, 2F) tensor;
 the eager autograd of gated calls on cpu and cuda keeps gate and up as two) in x's dtype, never the
 post-activation; the backward recomputes act() from it. Dropout keeps only (seed, offset) and
@@ -33,7 +35,7 @@ from ..reference.rng import draw_rng_state
 from . import prepack
 from .cpu_gemm import ONEDNN_POST_OPS, fast_lowp_gemm, onednn_post_ops, torch_fp32_gemm_wins
 from .linear import LOW_PRECISION, PackedLinear, linear, max_rows, rows_kernel_takes, rows_linear, weight_grad
-from ._opdef import OpDef, Options, compiled, needs_grad, options, owned, rowwise
+from ._opdef import OpDef, Options, compiled, options, owned, rowwise
 
 _ACT_CODE = {name: code for code, name in enumerate(ACTIVATIONS)}
 
@@ -45,7 +47,6 @@ class FfnOptions(Options):
     activation: int = 0                  # ACTIVATIONS index: relu, gelu, gelu_tanh, silu, quick_gelu, relu2
     dropout_p: float = 0.0               # on act(pre) (ffn only), in [0, 1)
     rng_state: Optional[Tensor] = None   # int64 CPU [seed, offset] of the dropout stream
-    store_preactivation: bool = False    # keep the pre-activation for a backward
     swiglu_limit: float = 0.0            # gated, > 0: gate clamped above, up to [-limit, limit] first
 
 
@@ -83,8 +84,7 @@ def _call(inputs, o: FfnOptions) -> backends.Call:
 def _fake_fwd(x, w1, b1, w2, b2, w_up, b_up, o):
     tokens = x.numel() // x.shape[-1]
     width = w1.shape[0] * (2 if w_up is not None else 1)
-    saved = x.new_empty((tokens, width)) if o.store_preactivation else x.new_empty((0,))
-    return x.new_empty(x.shape), saved
+    return x.new_empty(x.shape), x.new_empty((tokens, width))
 
 
 def _fake_bwd(grads, saved, o, needs):
@@ -104,7 +104,7 @@ FFN = OpDef("ffn", inputs=("x", "w1", "b1?", "w2", "b2?", "w_up?", "b_up?"), opt
 # Zen 5 (fp32, no dropout, forward): SwiGLU (N, 1024, 2816) N = 1: packed 2.14 ms, torch 1.75;
 # N = 8: packed 2.27, torch 2.82; GELU (N, 768, 3072) N = 1: 1.23 vs 0.49, N = 8: 0.90 vs 1.26.
 _FEATURES = frozenset({"bias", "gated", "few_rows"})
-_NO_DROPOUT = frozenset({"activation", "store_preactivation"})
+_NO_DROPOUT = frozenset({"activation"})
 _LIMIT = frozenset({"swiglu_limit"})  # the clamped gate: reference, cpu.onednn, triton
 _EVERY = _NO_DROPOUT | {"dropout_p", "rng_state"}
 
@@ -154,19 +154,26 @@ class _VendorGemm(Impl):
         return torch.mm(a, w.t(), out=out)
 
     def fwd(self, x, w1, b1, w2, b2, w_up, b_up, o):
+        return self.forward(x, w1, b1, w2, b2, w_up, b_up, o, keep=True)
+
+    def inference(self, x, w1, b1, w2, b2, w_up, b_up, o):
+        return self.forward(x, w1, b1, w2, b2, w_up, b_up, o, keep=False)
+
+    def forward(self, x, w1, b1, w2, b2, w_up, b_up, o, keep):
+        """(y, the pre-activation if keep (a backward follows) else empty)."""
         x2 = x.reshape(-1, x.shape[-1])
         lin = self._linear
         # Without a backward to come, h goes over the pre-activation: one (N, F) buffer fewer
         # at the forward's peak (a GELU (4096, 768, 3072) bf16 forward's extra memory 54 ->
         # 30 MiB; eager's 48, where pre and act(pre) coexist).
-        over = not o.store_preactivation
+        over = not keep
         if w_up is None:
             pre = lin(x2, w1, b1)
             h = self.hidden(pre, None, o, over)
         else:
             F_ = w1.shape[0]
             gate_first, up_first = _joined_rows(w1, w_up, b1, b_up), _joined_rows(w_up, w1, b_up, b1)
-            if gate_first is not None or (up_first is not None and not o.store_preactivation):
+            if gate_first is not None or (up_first is not None and not keep):
                 # one tensor's two halves (a fused gate_up_proj: Phi-3, GLM-4, ...): one GEMM
                 pre = lin(x2, *(gate_first or up_first))
                 halves = pre[:, :F_], pre[:, F_:]
@@ -178,7 +185,7 @@ class _VendorGemm(Impl):
                 lin(x2, w_up, b_up, out=up)
             h = self.hidden(gate, up, o, over)  # over: a strided view of pre
         y = lin(h, w2, b2).reshape(x.shape)
-        return y, (pre if o.store_preactivation else x.new_empty((0,)))
+        return y, (pre if keep else x.new_empty((0,)))
 
     def hidden(self, pre, up, o, over):
         """h = act(pre), gated (up given): act(pre) * up, through the backend's hooks."""
@@ -317,6 +324,10 @@ class _Triton(Impl):
         from . import ffn_triton
         return ffn_triton.ffn_fwd(x, w1, b1, w2, b2, w_up, b_up, o)
 
+    def inference(self, x, w1, b1, w2, b2, w_up, b_up, o):
+        from . import ffn_triton
+        return ffn_triton.ffn_fwd(x, w1, b1, w2, b2, w_up, b_up, o, save_preactivation=False)
+
     def bwd(self, grads, saved, o, needs):
         from . import ffn_triton
         return ffn_triton.ffn_bwd(rowwise(grads[0]), *saved, o, needs)
@@ -368,7 +379,7 @@ class _CpuOnednn(_VendorGemm):
             return y if out is None else out.copy_(y)
         return _VendorGemm._linear(a, w, b, out)
 
-    def fwd(self, x, w1, b1, w2, b2, w_up, b_up, o):
+    def forward(self, x, w1, b1, w2, b2, w_up, b_up, o, keep):
         """Without a backward to come, a bf16 FFN that is not gated takes its up projection,
         bias and activation as one oneDNN call (torch's mkldnn linear with the activation as a
         post-op: applied to the fp32 accumulator before the bf16 store, no second pass over
@@ -384,23 +395,24 @@ class _CpuOnednn(_VendorGemm):
         not taken."""
         x2 = x.reshape(-1, x.shape[-1])
         post_op = ONEDNN_POST_OPS.get(ACTIVATIONS[o.activation])
-        if (not (o.store_preactivation or o.dropout_p) and not rows_kernel_takes(x2, w1, b1)
+        if (not (keep or o.dropout_p) and not rows_kernel_takes(x2, w1, b1)
                 and (post_op is not None or w_up is not None)
                 and prepack.takes(x2, (w1, w2, w_up), (b1, b2, b_up))):
             return self._prepacked_fwd(x2, w1, b1, w2, b2, w_up, b_up, o).reshape(x.shape), x.new_empty((0,))
-        if (w_up is not None or o.store_preactivation or o.dropout_p or post_op is None
+        if (w_up is not None or keep or o.dropout_p or post_op is None
                 or x2.dtype != torch.bfloat16 or not onednn_post_ops()
                 or rows_kernel_takes(x2, w1, b1)
                 or not all(t is None or t.is_contiguous() for t in (x2, w1, b1))):
-            return super().fwd(x, w1, b1, w2, b2, w_up, b_up, o)
+            return super().forward(x, w1, b1, w2, b2, w_up, b_up, o, keep)
         h = torch.ops.mkldnn._linear_pointwise(x2, w1, b1, *post_op)
         return self._linear(h, w2, b2).reshape(x.shape), x.new_empty((0,))
 
     def _prepacked_fwd(self, x2, w1, b1, w2, b2, w_up, b_up, o):
         """The inference forward on the weights' blocked copies (ff.convert(model,
         prepack_weights=True), ops/prepack.py): not gated, the activation as the up projection's
-        oneDNN post-op (quick_gelu and relu2 have none: they take the route without prepacked weights); gated, our gate pass over the two
-        projections' outputs (written over the gate's). ff.last_dispatch() names the route."""
+        oneDNN post-op (quick_gelu and relu2 have none: they take the route without prepacked
+        weights); gated, our gate pass over the two projections' outputs (written over the
+        gate's). ff.last_dispatch() names the route."""
         last = backends.last_dispatch()
         if last is not None and last.op == "ffn":
             backends.record(dataclasses.replace(last, impl=f"{self.name} (prepacked weights)"))
@@ -436,6 +448,10 @@ class _Cpu(Impl):
     features = _FEATURES | {"last_dim_strided", "rows_strided"}
 
     fwd = compiled("ffn_fwd")
+
+    @staticmethod
+    def inference(x, w1, b1, w2, b2, w_up, b_up, o):
+        return _ext.C.ffn_fwd(x, w1, b1, w2, b2, w_up, b_up, o, False)
 
     def bwd(self, grads, saved, o, needs):
         return _ext.C.ffn_bwd(rowwise(grads[0]), *saved, o, *needs)
@@ -474,6 +490,9 @@ class _Reference(Impl):
 
     def fwd(self, x, w1, b1, w2, b2, w_up, b_up, o):
         return ref.ffn_fwd(x, w1, b1, w2, b2, w_up, b_up, o)
+
+    def inference(self, x, w1, b1, w2, b2, w_up, b_up, o):
+        return ref.ffn_fwd(x, w1, b1, w2, b2, w_up, b_up, o, keep=False)
 
     def bwd(self, grads, saved, o, needs):
         return ref.ffn_bwd(grads[0], *saved, o, needs)
@@ -522,8 +541,7 @@ def _weight_rows(fn: str, name: str, w, what: str) -> int:
 
 def _run(x, w1, b1, w2, b2, w_up, b_up, act: int, dropout_p: float, limit: float = 0.0) -> Tensor:
     o = FfnOptions(activation=act, dropout_p=dropout_p, swiglu_limit=limit,
-                   rng_state=draw_rng_state() if dropout_p > 0 else None,
-                   store_preactivation=needs_grad((x, w1, b1, w2, b2, w_up, b_up)))
+                   rng_state=draw_rng_state() if dropout_p > 0 else None)
     return FFN((x, w1, b1, w2, b2, w_up, b_up), o)[0]
 
 

@@ -59,11 +59,12 @@ def _same_strides(w_up: Tensor, w1: Tensor) -> Tensor:
 
 
 def ffn_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-            w_up: Optional[Tensor], b_up: Optional[Tensor], o):
-    """o: ops/ffn.py's FfnOptions. Returns (y, the pre-activation or an empty tensor)."""
+            w_up: Optional[Tensor], b_up: Optional[Tensor], o, save_preactivation: bool = True):
+    """o: ops/ffn.py's FfnOptions. Returns (y, the pre-activation if save_preactivation (a backward
+    follows) else an empty tensor)."""
     from ..triton_kernels import ffn as tk
     from ..triton_kernels import interpreter_mode
-    act, dropout_p, save_preactivation = o.activation, o.dropout_p, o.store_preactivation
+    act, dropout_p = o.activation, o.dropout_p
     D, F = x.shape[-1], w1.shape[0]
     gated = w_up is not None
     x2 = x.reshape(-1, D)  # a view: rows have one stride (the backend's declaration)

@@ -120,9 +120,9 @@ def _hidden(saved: Tensor, F_: int, gated: bool, code: int, drop: Optional[Tenso
 
 
 def ffn_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor],
-            w_up: Optional[Tensor], b_up: Optional[Tensor], o):
+            w_up: Optional[Tensor], b_up: Optional[Tensor], o, keep: bool = True):
     """o: ops/ffn.py's FfnOptions. Returns (y shaped like x, saved: (N, F) or gated (N, 2F) in
-    x's dtype when o.store_preactivation, else empty)."""
+    x's dtype when keep (a backward follows), else empty)."""
     activation_code, dropout_p, rng_state = o.activation, o.dropout_p, o.rng_state
     acc = acc_dtype(x.dtype)
     D, F_ = x.shape[-1], w1.shape[0]
@@ -139,7 +139,7 @@ def ffn_fwd(x: Tensor, w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optiona
         hd = activation(saved_acc, activation_code)
         hd = hd * drop if drop is not None else hd
     y = _linear(hd, w2, b2).to(x.dtype).reshape(x.shape)
-    return y, (saved if o.store_preactivation else x.new_empty((0,)))
+    return y, (saved if keep else x.new_empty((0,)))
 
 
 def ffn_bwd(dy: Tensor, x: Tensor, w1: Tensor, w2: Tensor, w_up: Optional[Tensor], saved: Tensor,

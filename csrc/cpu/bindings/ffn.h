@@ -52,17 +52,16 @@ inline void set_d_hidden(cpu::FfnArgs& a, const Tensor& d_pre) {
 }
 
 // Returns {y, saved}: saved is the pre-activation (tokens, hidden) (gated: (tokens, 2 * hidden)
-// as [gate | up]) when o.store_preactivation, else empty.
+// as [gate | up]) when save (a backward follows), else empty.
 inline std::vector<Tensor> ffn_fwd(const Tensor& x, const Tensor& w1, const optional<Tensor>& b1,
                                    const Tensor& w2, const optional<Tensor>& b2,
                                    const optional<Tensor>& w_up, const optional<Tensor>& b_up,
-                                   const FfnOptions& o) {
+                                   const FfnOptions& o, bool save) {
   cpu::FfnArgs a = ffn_args(x, w1, w2, w_up, o);
   a.b1 = ptr_or_null(b1);
   a.b2 = ptr_or_null(b2);
   a.b_up = a.gated ? ptr_or_null(b_up) : nullptr;
   Tensor y = empty_rows(x.sizes(), x);
-  const bool save = o.store_preactivation;
   const int64_t width = a.gated && save ? 2 * a.hidden : a.hidden;
   Tensor hidden = at::empty({a.tokens, width}, x.options());
   a.y = y.data_ptr();
