@@ -280,7 +280,7 @@ struct DecodeBf16Gemms {
   T* const k_stage;      // a group of 16 keys the tile loads cannot read in place
   uint32_t* const v_pairs;  // the block's V rows interleaved in pairs: Dv_bf16 / 16 panels
   T* const p_hi;         // R16 x kBlockK each: P (split: p_hi + p_lo), zero rows past R
-  T* const p_lo;
+  T* const p_lo;         // null unless split
   const bool split;      // calls that write the output's rounding residual (a backward follows)
 
   DecodeBf16Gemms(const AttnArgs& args, const Shape<A>& shape, int64_t rows, Bf16Gemm gemm_kind)
@@ -291,8 +291,8 @@ struct DecodeBf16Gemms {
         k_stage(thread_scratch<T, Scratch::kDecKStage>(16 * shape.D_bf16)),
         v_pairs(thread_scratch<uint32_t, Scratch::kDecVPairs>(kBlockK * shape.Dv_bf16 / 2)),
         p_hi(thread_scratch<T, Scratch::kDecPHi>(R16 * kBlockK)),
-        p_lo(thread_scratch<T, Scratch::kDecPLo>(R16 * kBlockK)),
-        split(args.out_residual.ptr != nullptr) {
+        p_lo(args.out_residual.ptr != nullptr ? thread_scratch<T, Scratch::kDecPLo>(R16 * kBlockK) : nullptr),
+        split(p_lo != nullptr) {
     TORCH_INTERNAL_ASSERT(sh.Dv_bf16 == sh.Dv_pad, "bf16 P V tiles write acc rows Dv_pad wide");
   }
 
@@ -304,7 +304,7 @@ struct DecodeBf16Gemms {
     }
     put_rows_pair_panels(q_rows, sh.D_bf16, R16, sh.D_bf16, q_pairs);
     std::fill(p_hi + R * kBlockK, p_hi + R16 * kBlockK, T(0.0f));
-    std::fill(p_lo + R * kBlockK, p_lo + R16 * kBlockK, T(0.0f));
+    if (split) std::fill(p_lo + R * kBlockK, p_lo + R16 * kBlockK, T(0.0f));
   }
 
   void scores(int64_t b, int64_t hkv, int64_t kb, int64_t n_keys, int64_t cols, A* s_tile) const {
