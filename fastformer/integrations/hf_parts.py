@@ -48,6 +48,15 @@ def _unswapped(kind: type) -> type:
     return getattr(kind, "_fastformer_original", None) or kind
 
 
+def _part(module: nn.Module, path: tuple) -> Optional[nn.Module]:
+    """The module at path (names) below module, None where it is gone."""
+    for name in path:
+        module = module._modules.get(name)
+        if module is None:
+            return None
+    return module
+
+
 def _hooks_that_count(m: nn.Module) -> bool:
     """Whether m has a hook its converted parent would skip (not transformers' capturing ones)."""
     for name in _HOOK_DICTS:
@@ -63,11 +72,9 @@ def changed(module: nn.Module) -> Optional[str]:
             or _module_globals._global_backward_hooks or _module_globals._global_backward_pre_hooks):
         return "global module hooks are registered (torch.nn.modules.module.register_module_*_hook)"
     for path, kind in module._ff_parts:
-        part = module
-        for name in path:
-            part = part._modules.get(name)
-            if part is None:
-                return f"its part {'.'.join(path)} was removed"
+        part = _part(module, path)
+        if part is None:
+            return f"its part {'.'.join(path)} was removed"
         if _unswapped(type(part)) is not kind:
             return (f"its part {'.'.join(path)} is now {type(part).__module__}.{type(part).__qualname__}, not the "
                     f"{kind.__qualname__} it read")
@@ -127,16 +134,14 @@ def record(model: nn.Module) -> list:
             continue
         parts = []
         for path in _read_paths(m):
-            part = m
-            for name in path.split("."):
-                part = part._modules.get(name) if part is not None else None
+            part = _part(m, tuple(path.split(".")))
             if part is not None:
                 parts.append((tuple(path.split(".")), _unswapped(type(part))))
-        odd = next((".".join(p) for p, kind in parts if not _plain(kind)), None)
+        odd = next(((".".join(p), kind) for p, kind in parts if not _plain(kind)), None)
         if odd is not None:
-            kind, what = type(m.get_submodule(odd)), getattr(type(m), "_ff_what", None)
+            what = getattr(type(m), "_ff_what", None)
             m.__class__ = original
-            reverted.append((m, what, f"its {odd} is {kind.__module__}.{kind.__qualname__}, whose "
+            reverted.append((m, what, f"its {odd[0]} is {odd[1].__module__}.{odd[1].__qualname__}, whose "
                                       "parameters the converted code would read without its forward"))
             continue
         m._ff_parts = tuple(parts)
